@@ -1,0 +1,399 @@
+"""Automatic Mixed Precision (AMP) training in PyTorch, done the way the docs say.
+
+The runnable replacement for the blog post "AMP Tensor Cores: saving memory in
+PyTorch models": the post's programs, fixed, on CUDA or CPU.
+
+    python -m pip install -r requirements.txt
+    python amp_train.py --example linear                      # the post's Linear(10, 1), 100 iterations
+    python amp_train.py --example resnet                      # ResNet18 on CIFAR-10, 100 epochs
+    python amp_train.py --example resnet --data synthetic     # the same, offline
+    python amp_train.py --help                                # every flag and its default
+
+Precision is chosen once (`--precision auto`: fp16 with a GradScaler on CUDA,
+bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
+`train_epoch` is the function to copy into your own code.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs.
+DEFAULT_EPOCHS = 100
+DEFAULT_BATCH_SIZE = 128
+DEFAULT_LR = 0.01
+LR_STEP_EPOCHS = 10
+LR_GAMMA = 0.1
+SYNTHETIC_TRAIN_SIZE = 10_000
+SYNTHETIC_TEST_SIZE = 2_000
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; main() prints it as one line and exits 2."""
+
+
+# ---------------------------------------------------------------- device and precision
+
+def resolve_device(name):
+    """'auto' is cuda when a GPU is visible, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu or --device auto")
+    return torch.device(name)
+
+
+def resolve_precision(name, device):
+    """Returns the autocast dtype, or None for plain fp32. 'auto' is fp16 on CUDA, bf16 on the CPU."""
+    if name == "auto":
+        name = "fp16" if device.type == "cuda" else "bf16"
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UsageError("this GPU does not support bfloat16: use --precision fp16 or --precision fp32")
+    return PRECISIONS[name]
+
+
+def precision_name(amp_dtype):
+    return {v: k for k, v in PRECISIONS.items()}[amp_dtype]
+
+
+def make_scaler(device, amp_dtype):
+    # Only float16 needs loss scaling: its narrow exponent flushes small gradients to zero.
+    # bfloat16 has fp32's exponent range, so its scaler is a no-op pass-through.
+    return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
+
+
+def amp_context(device, amp_dtype):
+    """Autocast for the forward pass and loss; amp_dtype=None turns it off (fp32)."""
+    return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+
+def synchronize(device):
+    # CUDA runs asynchronously: wait for queued kernels before reading a clock.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- models
+
+def build_resnet18(num_classes=10):
+    """torchvision's ResNet18 with a 10-class head (the post's resnet18() had 1000 outputs)."""
+    import torchvision
+    return torchvision.models.resnet18(num_classes=num_classes)
+
+
+def build_linear(in_features=10, out_features=1):
+    return nn.Linear(in_features, out_features)
+
+
+# ---------------------------------------------------------------- data
+
+class SyntheticCIFAR10(torch.utils.data.Dataset):
+    """CIFAR-10-shaped images that can be learned, for offline runs.
+
+    Each class is a fixed smooth random pattern; an image is its class's pattern
+    plus noise. Seeded, and each item depends only on (seed, split, index), so
+    the data is the same with any number of loader workers.
+    """
+
+    def __init__(self, size, seed=0, train=True):
+        g = torch.Generator().manual_seed(seed)
+        coarse = torch.randn(10, 3, 4, 4, generator=g)
+        self.patterns = F.interpolate(coarse, size=(32, 32), mode="bilinear", align_corners=False)
+        split = 0 if train else 1
+        g.manual_seed(seed * 2 + split + 1)
+        self.labels = torch.randint(0, 10, (size,), generator=g)
+        self.noise_seed = (seed * 2 + split) * 10_000_000
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        g = torch.Generator().manual_seed(self.noise_seed + index)
+        label = self.labels[index]
+        image = 0.25 * self.patterns[label] + torch.randn(3, 32, 32, generator=g)
+        return image, label
+
+
+def make_loader(dataset, batch_size, device, shuffle, seed=0, rank=0, world_size=1):
+    """A DataLoader whose order depends only on (seed, epoch): call loader.sampler.set_epoch(epoch).
+
+    The DistributedSampler also serves a single process (num_replicas=1), so one
+    mechanism gives a reproducible shuffle with or without torchrun.
+    """
+    sampler = torch.utils.data.DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+    workers = min(4, os.cpu_count() or 1) if device.type == "cuda" else 0
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler,
+        num_workers=workers, persistent_workers=workers > 0,
+        pin_memory=device.type == "cuda")  # pinned host memory makes non_blocking copies truly async
+
+
+def cifar10_loaders(root, batch_size, device=torch.device("cpu"), seed=0, rank=0, world_size=1, download=True):
+    """(train, test) DataLoaders over torchvision's CIFAR10; downloads into `root` when missing."""
+    import torchvision
+    import torchvision.transforms as T
+    normalize = T.Normalize(CIFAR10_MEAN, CIFAR10_STD)
+    train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
+    test_tf = T.Compose([T.ToTensor(), normalize])
+    try:
+        train = torchvision.datasets.CIFAR10(root, train=True, download=download, transform=train_tf)
+        test = torchvision.datasets.CIFAR10(root, train=False, download=download, transform=test_tf)
+    except (OSError, RuntimeError) as e:  # URLError is an OSError; a corrupt folder is a RuntimeError
+        raise UsageError(
+            f"CIFAR-10 is not in {os.path.abspath(root)} and could not be downloaded ({e}): "
+            f"put cifar-10-python.tar.gz in that folder, or run with --data synthetic") from None
+    return (make_loader(train, batch_size, device, True, seed, rank, world_size),
+            make_loader(test, batch_size, device, False, seed, rank, world_size))
+
+
+def synthetic_loaders(batch_size, device=torch.device("cpu"), seed=0, rank=0, world_size=1):
+    """(train, test) DataLoaders over SyntheticCIFAR10."""
+    train = SyntheticCIFAR10(SYNTHETIC_TRAIN_SIZE, seed, train=True)
+    test = SyntheticCIFAR10(SYNTHETIC_TEST_SIZE, seed, train=False)
+    return (make_loader(train, batch_size, device, True, seed, rank, world_size),
+            make_loader(test, batch_size, device, False, seed, rank, world_size))
+
+
+def linear_batch(batch_size=DEFAULT_BATCH_SIZE, seed=0):
+    """The post's fixed batch: x of batch_size x 10 and y of batch_size x 1, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch_size, 10, generator=g), torch.randn(batch_size, 1, generator=g)
+
+
+# ---------------------------------------------------------------- training and evaluation
+
+@dataclass
+class EpochStats:
+    loss: float               # mean training loss per sample (inf/NaN if any step's loss was)
+    steps: int                # optimizer steps attempted
+    skipped_steps: int        # steps the GradScaler skipped because gradients held inf/NaN
+    nonfinite_losses: int     # steps whose loss was inf/NaN (reported, never raised)
+    samples: int
+    seconds: float
+    loss_scale: float | None  # the GradScaler's scale at the end, None when it is off
+
+    @property
+    def samples_per_second(self):
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class EvalStats:
+    loss: float
+    accuracy: float           # fraction of samples whose argmax is the target
+    samples: int
+
+
+def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
+                clip_grad_norm=None, max_steps=None, log_every=0):
+    """One pass over `loader` with AMP; returns EpochStats.
+
+    Works for any model, any iterable of (inputs, targets) and any loss.
+    amp_dtype=None is plain fp32. The only host syncs are the scaler's own (in
+    scaler.step, when enabled), one at the end, and one every `log_every` steps
+    when a progress line was asked for.
+    """
+    model.train()
+    # Count optimizer.step() calls that really ran: scaler.step() skips them on
+    # inf/NaN gradients. A hook needs no sync and works for any optimizer.
+    taken = [0]
+    hook = optimizer.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
+    loss_sum = torch.zeros((), device=device)    # summed on the device: no .item() per step
+    nonfinite = torch.zeros((), dtype=torch.long, device=device)
+    steps = samples = 0
+    start = time.perf_counter()
+    try:
+        for inputs, targets in loader:
+            inputs = inputs.to(device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
+            with amp_context(device, amp_dtype):   # autocast covers forward and loss only
+                loss = criterion(model(inputs), targets)
+            scaler.scale(loss).backward()          # backward outside autocast, on the scaled loss so fp16 grads don't underflow
+            if clip_grad_norm is not None:
+                scaler.unscale_(optimizer)         # clip the true gradients, not the scaled ones
+                nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            scaler.step(optimizer)                 # unscales (unless done) and skips the step on inf/NaN
+            scaler.update()                        # halves the scale after a skip, grows it after a good run
+            optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros
+            loss = loss.detach().float()
+            loss_sum += loss * len(targets)
+            nonfinite += ~torch.isfinite(loss)
+            steps += 1
+            samples += len(targets)
+            if log_every and steps % log_every == 0:  # a host sync, once every log_every steps
+                elapsed = time.perf_counter() - start
+                print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
+                      f"{samples / elapsed:.0f} img/s", flush=True)
+            if steps == max_steps:
+                break
+    finally:
+        hook.remove()
+    synchronize(device)
+    return EpochStats(
+        loss=loss_sum.item() / max(samples, 1),
+        steps=steps,
+        skipped_steps=steps - taken[0],
+        nonfinite_losses=int(nonfinite.item()),
+        samples=samples,
+        seconds=time.perf_counter() - start,
+        loss_scale=scaler.get_scale() if scaler.is_enabled() else None)
+
+
+@torch.inference_mode()
+def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
+    """Mean loss and accuracy over `loader`, under inference_mode and autocast."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    samples = 0
+    for step, (inputs, targets) in enumerate(loader, 1):
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with amp_context(device, amp_dtype):
+            outputs = model(inputs)
+            loss_sum += criterion(outputs, targets).float() * len(targets)
+        correct += (outputs.argmax(dim=1) == targets).sum()
+        samples += len(targets)
+        if step == max_steps:
+            break
+    return EvalStats(loss=loss_sum.item() / max(samples, 1),
+                     accuracy=correct.item() / max(samples, 1), samples=samples)
+
+
+# ---------------------------------------------------------------- the examples
+
+def build_example(args, device):
+    """Model, criterion, train loader and test loader (None for linear) for args.example."""
+    if args.example == "linear":
+        x, y = linear_batch(args.batch_size, args.seed)
+        # One fixed batch, as in the post: each "epoch" is one iteration over it.
+        dataset = torch.utils.data.TensorDataset(x, y)
+        loader = make_loader(dataset, args.batch_size, device, shuffle=False, seed=args.seed)
+        return build_linear().to(device), nn.MSELoss(), loader, None
+    if args.data == "synthetic":
+        train, test = synthetic_loaders(args.batch_size, device, args.seed)
+    else:
+        train, test = cifar10_loaders(args.data_root, args.batch_size, device, args.seed)
+    return build_resnet18().to(device), nn.CrossEntropyLoss(), train, test
+
+
+def run_training(args, device, amp_dtype):
+    """The resnet and linear examples: train, evaluate and print one line per epoch."""
+    torch.manual_seed(args.seed)
+    if args.example == "resnet" and device.type == "cpu" and amp_dtype is torch.float16:
+        print("warning: fp16 convolutions are very slow on CPUs (about 100x); "
+              "--precision bf16 is the fast CPU choice", file=sys.stderr)
+    model, criterion, train_loader, test_loader = build_example(args, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
+                 if args.example == "resnet" else None)
+    scaler = make_scaler(device, amp_dtype)
+    steps_per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
+    data = "fixed batch" if args.example == "linear" else args.data
+    model_name = "linear(10->1)" if args.example == "linear" else "resnet18"
+    print(f"amp_train | example {args.example} | torch {torch.__version__} | device {device} | "
+          f"precision {precision_name(amp_dtype)} | scaler {'on' if scaler.is_enabled() else 'off'} | "
+          f"model {model_name} | data {data} | batch {args.batch_size} | "
+          f"epochs {args.epochs} | steps/epoch {steps_per_epoch}", flush=True)
+    log_every = 50 if steps_per_epoch >= 100 else 0
+    width = len(str(args.epochs))
+    unit = "samples" if args.example == "linear" else "img"
+    for epoch in range(args.epochs):
+        train_loader.sampler.set_epoch(epoch)  # the shuffle depends on (seed, epoch) alone
+        lr = optimizer.param_groups[0]["lr"]
+        stats = train_epoch(model, train_loader, optimizer, criterion, scaler, device, amp_dtype,
+                            clip_grad_norm=args.clip_grad_norm, max_steps=args.max_steps,
+                            log_every=log_every)
+        line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {stats.loss:.4f}"
+        if test_loader is not None:
+            ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
+            line += f" | test loss {ev.loss:.4f} | test acc {100 * ev.accuracy:5.2f}%"
+        scale = "off" if stats.loss_scale is None else f"{stats.loss_scale:g}"
+        print(f"{line} | lr {lr:.4g} | scale {scale} | skipped {stats.skipped_steps} | "
+              f"{stats.samples_per_second:.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
+        if scheduler is not None:
+            scheduler.step()  # once per epoch, as StepLR(10, 0.1) expects
+    return 0
+
+
+def run_memory(args, device, amp_dtype):
+    raise UsageError("--example memory is not built yet: use --example resnet or --example linear")
+
+
+EXAMPLES = {"resnet": run_training, "linear": run_training, "memory": run_memory}
+
+
+# ---------------------------------------------------------------- command line
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2 through main(), not usage + traceback
+        raise UsageError(f"{message} (see --help)")
+
+
+def positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0 or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def parse_args(argv):
+    p = ArgumentParser(description="AMP training examples: the blog post's programs, fixed.")
+    p.add_argument("--example", choices=sorted(EXAMPLES), default="resnet",
+                   help="resnet: ResNet18 on CIFAR-10; linear: Linear(10, 1) on one fixed batch; "
+                        "memory: AMP vs fp32 memory and speed (default: %(default)s)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto picks cuda when a GPU is visible, else cpu (default: %(default)s)")
+    p.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
+                   help="auto is fp16 (with a GradScaler) on CUDA and bf16 on the CPU; "
+                        "fp32 turns AMP off (default: %(default)s)")
+    p.add_argument("--epochs", type=positive(int), default=DEFAULT_EPOCHS,
+                   help="epochs; for linear, iterations over the fixed batch (default: %(default)s)")
+    p.add_argument("--batch-size", type=positive(int), default=DEFAULT_BATCH_SIZE,
+                   help="samples per step (default: %(default)s)")
+    p.add_argument("--lr", type=positive(float), default=DEFAULT_LR,
+                   help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10",
+                   help="resnet data: real CIFAR-10, downloaded into --data-root when missing, "
+                        "or a learnable offline stand-in (default: %(default)s)")
+    p.add_argument("--data-root", default="./data",
+                   help="folder that holds or receives CIFAR-10 (default: %(default)s)")
+    p.add_argument("--max-steps", type=positive(int), default=None,
+                   help="stop each epoch after this many optimizer steps and evaluate on as many "
+                        "test batches, for short runs (default: whole epochs)")
+    p.add_argument("--clip-grad-norm", type=positive(float), default=None,
+                   help="clip gradients to this total norm, after unscaling (default: no clipping)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for weights, data and shuffling (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        device = resolve_device(args.device)
+        amp_dtype = resolve_precision(args.precision, device)
+        return EXAMPLES[args.example](args, device, amp_dtype)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Tests for amp_train.py: CPU by default, CUDA cases run where a GPU is. Run: python -m pytest -q"""
+import pickle
+import re
+import urllib.error
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import amp_train
+
+# Deprecated AMP names (torch.cuda.amp.*) warn with FutureWarning: make any such use fail.
+pytestmark = [pytest.mark.filterwarnings("error::FutureWarning"),
+              pytest.mark.filterwarnings("error::DeprecationWarning")]
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CPU = torch.device("cpu")
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+# (device, amp dtype) pairs that are fast enough to test; fp16 convs on the CPU are not.
+AMP_CASES = [("cpu", torch.bfloat16),
+             pytest.param("cuda", torch.float16, marks=requires_cuda),
+             pytest.param("cuda", torch.bfloat16, marks=requires_cuda)]
+
+
+def linear_setup(device, amp_dtype, seed=0):
+    torch.manual_seed(seed)
+    model = amp_train.build_linear().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, optimizer, amp_train.make_scaler(device, amp_dtype)
+
+
+def fit_linear(device, amp_dtype, iterations):
+    model, optimizer, scaler = linear_setup(device, amp_dtype)
+    x, y = (t.to(device) for t in amp_train.linear_batch())
+    for _ in range(iterations):
+        stats = amp_train.train_epoch(model, [(x, y)], optimizer, nn.MSELoss(), scaler, device, amp_dtype)
+    return model, stats
+
+
+# ---------------------------------------------------------------- what autocast and the scaler do
+
+@pytest.mark.parametrize("device_name,amp_dtype", AMP_CASES)
+def test_autocast_runs_matmul_and_conv_in_amp_dtype_and_loss_in_fp32(device_name, amp_dtype):
+    device = torch.device(device_name)
+    linear = nn.Linear(8, 4).to(device)
+    conv = nn.Conv2d(3, 4, 3).to(device)
+    with amp_train.amp_context(device, amp_dtype):
+        logits = linear(torch.randn(2, 8, device=device))
+        features = conv(torch.randn(2, 3, 8, 8, device=device))
+        loss = nn.functional.cross_entropy(logits, torch.tensor([0, 1], device=device))
+    assert logits.dtype is amp_dtype, f"Linear under autocast gave {logits.dtype}"
+    assert features.dtype is amp_dtype, f"Conv2d under autocast gave {features.dtype}"
+    assert loss.dtype is torch.float32, f"cross_entropy should autocast to float32, got {loss.dtype}"
+    assert linear.weight.dtype is torch.float32, "autocast must leave the parameters in float32"
+
+
+def test_fp32_turns_autocast_off():
+    with amp_train.amp_context(CPU, None):
+        out = nn.Linear(8, 4)(torch.randn(2, 8))
+    assert out.dtype is torch.float32, f"amp_dtype=None should be plain fp32, got {out.dtype}"
+
+
+@pytest.mark.parametrize("device_name", DEVICES)
+def test_scaler_is_enabled_for_fp16_only(device_name):
+    device = torch.device(device_name)
+    enabled = {name: amp_train.make_scaler(device, dtype).is_enabled()
+               for name, dtype in amp_train.PRECISIONS.items()}
+    assert enabled == {"fp16": True, "bf16": False, "fp32": False}, enabled
+
+
+def test_auto_precision_is_fp16_on_cuda_and_bf16_on_cpu():
+    assert amp_train.resolve_precision("auto", CPU) is torch.bfloat16
+    assert amp_train.resolve_precision("auto", torch.device("cuda")) is torch.float16
+    assert amp_train.resolve_precision("fp32", CPU) is None
+
+
+# ---------------------------------------------------------------- train_epoch
+
+@pytest.mark.parametrize("precision,tolerance", [("bf16", 1e-3), ("fp16", 1e-3)])
+def test_amp_training_of_the_linear_example_matches_fp32(precision, tolerance):
+    # Measured on the CPU: bf16 ends 1.0e-4 from fp32's loss, fp16 1.3e-5; the tolerance is ~10x that.
+    amp_dtype = amp_train.PRECISIONS[precision]
+    fp32_model, fp32_stats = fit_linear(CPU, None, 100)
+    amp_model, amp_stats = fit_linear(CPU, amp_dtype, 100)
+    first = fit_linear(CPU, None, 1)[1].loss
+    assert fp32_stats.loss < first - 0.2, f"fp32 training did not learn: {first} -> {fp32_stats.loss}"
+    assert abs(amp_stats.loss - fp32_stats.loss) < tolerance, (amp_stats.loss, fp32_stats.loss)
+    assert torch.allclose(amp_model.weight, fp32_model.weight, atol=3 * tolerance), \
+        (amp_model.weight, fp32_model.weight)
+
+
+@pytest.mark.parametrize("device_name", DEVICES)
+def test_scaler_skips_an_inf_step_and_halves_the_scale(device_name):
+    device = torch.device(device_name)
+    x, y = (t.to(device) for t in amp_train.linear_batch(8))
+    bad_x = x.clone()
+    bad_x[0, 0] = float("inf")  # the loss of this batch is inf, its gradients inf/NaN
+
+    model, optimizer, scaler = linear_setup(device, torch.float16)
+    stats = amp_train.train_epoch(model, [(x, y), (bad_x, y)], optimizer, nn.MSELoss(),
+                                  scaler, device, torch.float16)
+    reference, ref_optimizer, ref_scaler = linear_setup(device, torch.float16)
+    amp_train.train_epoch(reference, [(x, y)], ref_optimizer, nn.MSELoss(), ref_scaler, device, torch.float16)
+
+    assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias), \
+        "the inf batch must not change the weights"
+    assert (stats.steps, stats.skipped_steps) == (2, 1), stats
+    assert stats.nonfinite_losses == 1, stats
+    assert not np.isfinite(stats.loss), "the mean loss must show the inf, not hide it"
+    assert stats.loss_scale == 2.0 ** 15, f"the scale should halve from 2**16, got {stats.loss_scale}"
+
+
+def test_no_step_is_skipped_without_a_scaler():
+    model, stats = fit_linear(CPU, torch.bfloat16, 3)
+    assert (stats.steps, stats.skipped_steps, stats.loss_scale) == (1, 0, None), stats
+
+
+def test_clipping_acts_on_unscaled_gradients():
+    model, optimizer, scaler = linear_setup(CPU, torch.float16)
+    assert scaler.get_scale() == 2.0 ** 16
+    seen = []  # the gradient norm as optimizer.step() sees it
+    optimizer.register_step_pre_hook(lambda *_: seen.append(
+        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()))
+    x, y = amp_train.linear_batch(16)
+    max_norm = 0.01  # the true norm is ~1: clipping must act
+    stats = amp_train.train_epoch(model, [(x, y)], optimizer, nn.MSELoss(), scaler, CPU,
+                                  torch.float16, clip_grad_norm=max_norm)
+    assert stats.skipped_steps == 0 and len(seen) == 1, (stats, seen)
+    assert seen[0] <= max_norm * 1.001, f"optimizer saw gradient norm {seen[0]}, max is {max_norm}"
+    # Clipping the scaled gradients and unscaling afterwards would leave max_norm / 2**16.
+    assert seen[0] == pytest.approx(max_norm, rel=1e-3), f"clipped to {seen[0]}, not to {max_norm}"
+
+
+def test_loss_is_the_per_sample_mean_over_batches():
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    batches = [(torch.zeros(3, 1), torch.ones(3, 1)), (torch.zeros(1, 1), torch.full((1, 1), 3.0))]
+    stats = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), amp_train.make_scaler(CPU, None),
+                                  CPU, None, max_steps=5)
+    assert stats.loss == pytest.approx((3 * 1 + 1 * 9) / 4), stats
+    assert (stats.steps, stats.samples) == (2, 4), stats
+
+
+def test_max_steps_stops_the_epoch():
+    x, y = amp_train.linear_batch(4)
+    model, optimizer, scaler = linear_setup(CPU, None)
+    stats = amp_train.train_epoch(model, [(x, y)] * 10, optimizer, nn.MSELoss(), scaler, CPU, None, max_steps=3)
+    assert (stats.steps, stats.samples) == (3, 12), stats
+
+
+def test_evaluate_counts_correct_predictions():
+    model = nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))  # predicts the index of the largest input
+    inputs = torch.eye(3).repeat(2, 1)                 # predictions 0, 1, 2, 0, 1, 2
+    targets = torch.tensor([0, 1, 2, 0, 2, 1])         # 4 of 6 right
+    result = amp_train.evaluate(model, [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])],
+                                nn.CrossEntropyLoss(), CPU, torch.bfloat16)
+    assert result.accuracy == pytest.approx(4 / 6), result
+    assert result.samples == 6 and np.isfinite(result.loss), result
+    assert not model.training, "evaluate must put the model in eval mode"
+
+
+# ---------------------------------------------------------------- data
+
+def test_synthetic_data_is_seeded_and_split():
+    a = amp_train.SyntheticCIFAR10(20, seed=1)
+    b = amp_train.SyntheticCIFAR10(20, seed=1)
+    test = amp_train.SyntheticCIFAR10(20, seed=1, train=False)
+    image, label = a[3]
+    assert image.shape == (3, 32, 32) and image.dtype is torch.float32 and 0 <= label < 10
+    assert torch.equal(image, b[3][0]), "the same seed must give the same images"
+    assert not torch.equal(image, test[3][0]), "train and test must differ"
+
+
+def write_tiny_cifar10(root, per_batch=2):
+    """A CIFAR-10 folder in the real format (pickled uint8 rows); image i is filled with the value i."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for b, name in enumerate(names):
+        values = [b * per_batch + i for i in range(per_batch)]
+        data = np.stack([np.full(3 * 32 * 32, v, dtype=np.uint8) for v in values])
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": data, "labels": [v % 10 for v in values]}, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
+
+
+def test_cifar10_loaders_read_the_real_format(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar
+    write_tiny_cifar10(tmp_path)
+    # Our files cannot match torchvision's md5 sums: patch only that check.
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)
+    train, test = amp_train.cifar10_loaders(str(tmp_path), batch_size=4)
+    assert (len(train.dataset), len(test.dataset)) == (10, 2)
+    images, labels = next(iter(test))
+    assert images.shape == (2, 3, 32, 32) and labels.tolist() == [0, 1]
+    mean, std = torch.tensor(amp_train.CIFAR10_MEAN), torch.tensor(amp_train.CIFAR10_STD)
+    expected = ((torch.tensor([10.0, 11.0]) / 255)[:, None] - mean) / std   # test_batch holds values 10, 11
+    assert torch.allclose(images[:, :, 5, 5], expected, atol=1e-6), images[:, :, 5, 5]
+    seen = sorted(int(label) for _, batch in train for label in batch)
+    assert seen == sorted(v % 10 for v in range(10)), seen
+
+
+def test_train_order_depends_on_seed_and_epoch_only():
+    dataset = torch.utils.data.TensorDataset(torch.arange(32))
+    def order(seed, epoch):
+        loader = amp_train.make_loader(dataset, 8, CPU, shuffle=True, seed=seed)
+        loader.sampler.set_epoch(epoch)
+        return torch.cat([b[0] for b in loader]).tolist()
+    assert order(0, 1) == order(0, 1), "same seed and epoch must give the same order"
+    assert order(0, 1) != order(0, 2), "each epoch must be shuffled anew"
+    assert order(0, 1) != order(1, 1), "the seed must change the order"
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_linear_example_runs_and_learns(capsys):
+    assert amp_train.main(["--example", "linear", "--epochs", "20", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    losses = [float(x) for x in re.findall(r"^epoch +\d+/20 \| train loss ([\d.]+)", out, re.M)]
+    assert len(losses) == 20, out
+    assert losses[-1] < losses[0], f"loss did not fall: {losses}"
+    assert "precision bf16 | scaler off" in out, out
+
+
+def test_linear_example_in_fp16_uses_the_scaler(capsys):
+    assert amp_train.main(["--example", "linear", "--epochs", "2", "--precision", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "scaler on" in out and "scale 65536 | skipped 0" in out, out
+
+
+def test_resnet_example_runs_on_synthetic_data(capsys):
+    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "2", "--max-steps", "2",
+            "--batch-size", "4", "--clip-grad-norm", "5"]
+    assert amp_train.main(argv) == 0
+    out = capsys.readouterr().out
+    line = (r"^epoch 2/2 \| train loss [\d.]+ \| test loss [\d.]+ \| test acc +[\d.]+% \| lr 0\.01 \| "
+            r"scale off \| skipped 0 \| \d+ img/s \| [\d.]+ s$")
+    assert re.search(line, out, re.M), out
+    assert "model resnet18 | data synthetic | batch 4" in out, out
+
+
+def test_resnet_in_fp16_on_cpu_warns_and_runs(capsys):
+    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "1",
+            "--batch-size", "2", "--precision", "fp16", "--device", "cpu"]
+    assert amp_train.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "fp16 convolutions are very slow on CPUs" in captured.err, captured.err
+    assert "scale 65536" in captured.out or "scale 32768" in captured.out, captured.out
+
+
+def run_bad(argv, capsys):
+    code = amp_train.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, f"{argv} gave exit {code}: {err}"
+    assert err.count("\n") == 1 and err.startswith("error: "), f"want one error line, got: {err!r}"
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--example", "nope"], ["--precision", "fp8"], ["--device", "tpu"], ["--data", "imagenet"],
+    ["--epochs", "0"], ["--epochs", "-3"], ["--batch-size", "0"], ["--max-steps", "0"],
+    ["--lr", "0"], ["--lr", "-0.1"], ["--lr", "nan"], ["--lr", "abc"], ["--clip-grad-norm", "0"],
+    ["--no-such-flag"],
+])
+def test_bad_flags_exit_2_with_one_line(argv, capsys):
+    run_bad(argv, capsys)
+
+
+def test_cuda_without_a_gpu_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--device cpu" in run_bad(["--example", "linear", "--device", "cuda"], capsys)
+
+
+def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert "--precision fp16" in run_bad(["--example", "linear", "--device", "cuda", "--precision", "bf16"], capsys)
+
+
+def test_missing_cifar10_exits_2_and_says_what_to_do(tmp_path, monkeypatch, capsys):
+    import torchvision.datasets.cifar
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive", offline)
+    err = run_bad(["--example", "resnet", "--data-root", str(tmp_path / "data")], capsys)
+    assert str(tmp_path / "data") in err and "cifar-10-python.tar.gz" in err and "--data synthetic" in err, err
+
+
+# ---------------------------------------------------------------- CUDA only
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_resnet_example_runs(precision, capsys):
+    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "3",
+            "--batch-size", "16", "--device", "cuda", "--precision", precision]
+    assert amp_train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"device cuda | precision {precision}" in out and re.search(r"^epoch 1/1 ", out, re.M), out
