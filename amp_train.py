@@ -14,8 +14,11 @@ bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
 `train_epoch` is the function to copy into your own code.
 """
 import argparse
+import contextlib
+import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +35,8 @@ LR_STEP_EPOCHS = 10
 LR_GAMMA = 0.1
 SYNTHETIC_TRAIN_SIZE = 10_000
 SYNTHETIC_TEST_SIZE = 2_000
+MEMORY_STEPS = 20
+MEMORY_WARMUP_STEPS = 3
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -74,6 +79,12 @@ def make_scaler(device, amp_dtype):
 def amp_context(device, amp_dtype):
     """Autocast for the forward pass and loss; amp_dtype=None turns it off (fp32)."""
     return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+
+def warn_if_cpu_fp16_convs(device, amp_dtype):
+    if device.type == "cpu" and amp_dtype is torch.float16:
+        print("warning: fp16 convolutions are very slow on CPUs (about 100x); "
+              "--precision bf16 is the fast CPU choice", file=sys.stderr)
 
 
 def synchronize(device):
@@ -239,13 +250,14 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
     finally:
         hook.remove()
     synchronize(device)
+    seconds = time.perf_counter() - start
     return EpochStats(
         loss=loss_sum.item() / max(samples, 1),
         steps=steps,
         skipped_steps=steps - taken[0],
         nonfinite_losses=int(nonfinite.item()),
         samples=samples,
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
         loss_scale=scaler.get_scale() if scaler.is_enabled() else None)
 
 
@@ -270,6 +282,74 @@ def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
                      accuracy=correct.item() / max(samples, 1), samples=samples)
 
 
+# ---------------------------------------------------------------- measuring memory and speed
+
+def is_weight_copy(tensor, params):
+    # autocast's low-precision copy of a parameter, or a view of one (Linear saves weight.t()):
+    # follow single-input autograd nodes (casts, views) back to a parameter's AccumulateGrad.
+    fn = tensor.grad_fn
+    while fn is not None and len(fn.next_functions) == 1:
+        fn = fn.next_functions[0][0]
+    return hasattr(fn, "variable") and fn.variable.untyped_storage().data_ptr() in params
+
+
+@contextlib.contextmanager
+def count_saved_tensors(model):
+    """Bytes autograd saves for backward inside the block; the yielded dict is filled on exit.
+
+    'activation_bytes': what the forward pass keeps for backward; this grows with
+    the batch and is what autocast halves. 'weight_copy_bytes': autocast's
+    low-precision copies of the weights (0 in fp32); their size is fixed.
+    The parameters themselves exist anyway and are not counted. Works on any
+    device; a storage saved twice counts once.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}  # data_ptr -> (bytes, is a weight copy)
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = (storage.nbytes(), is_weight_copy(tensor, params))
+        return tensor
+
+    counts = {}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield counts
+    counts["activation_bytes"] = sum(n for n, copy in storages.values() if not copy)
+    counts["weight_copy_bytes"] = sum(n for n, copy in storages.values() if copy)
+
+
+def measure_training(build_model, batch, criterion, device, amp_dtype,
+                     steps=MEMORY_STEPS, warmup=MEMORY_WARMUP_STEPS, seed=0):
+    """Trains a fresh, seeded model on one fixed batch with train_epoch and returns what it measured.
+
+    `warmup` untimed steps, one step whose saved tensors are counted, then
+    `steps` timed steps, over which the CUDA peak memory is taken.
+    """
+    torch.manual_seed(seed)
+    model = build_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=DEFAULT_LR)
+    scaler = make_scaler(device, amp_dtype)
+
+    def step():  # train_epoch synchronizes before it reads the clock
+        return train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
+
+    for _ in range(warmup):
+        step()
+    with count_saved_tensors(model) as saved:
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed = [step() for _ in range(steps)]
+    return {
+        "activation_bytes": saved["activation_bytes"],
+        "weight_copy_bytes": saved["weight_copy_bytes"],
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "step_seconds": statistics.median(s.seconds for s in timed),
+        "final_loss": timed[-1].loss,
+    }
+
+
 # ---------------------------------------------------------------- the examples
 
 def build_example(args, device):
@@ -290,9 +370,8 @@ def build_example(args, device):
 def run_training(args, device, amp_dtype):
     """The resnet and linear examples: train, evaluate and print one line per epoch."""
     torch.manual_seed(args.seed)
-    if args.example == "resnet" and device.type == "cpu" and amp_dtype is torch.float16:
-        print("warning: fp16 convolutions are very slow on CPUs (about 100x); "
-              "--precision bf16 is the fast CPU choice", file=sys.stderr)
+    if args.example == "resnet":
+        warn_if_cpu_fp16_convs(device, amp_dtype)
     model, criterion, train_loader, test_loader = build_example(args, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
@@ -326,8 +405,74 @@ def run_training(args, device, amp_dtype):
     return 0
 
 
+def memory_setup(model_name, batch_size, device, seed):
+    """(model builder, criterion, fixed batch on the device) for the memory example."""
+    if model_name == "linear":
+        batch = linear_batch(batch_size, seed)
+        return build_linear, nn.MSELoss(), tuple(t.to(device) for t in batch)
+    dataset = SyntheticCIFAR10(batch_size, seed)
+    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size)))
+    return build_resnet18, nn.CrossEntropyLoss(), tuple(t.to(device) for t in batch)
+
+
+def tf32_state(device):
+    """Whether fp32 convolutions and matmuls may use TF32 tensor cores (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return {"cudnn_conv": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32}
+
+
 def run_memory(args, device, amp_dtype):
-    raise UsageError("--example memory is not built yet: use --example resnet or --example linear")
+    """The post's "saves memory" claim, measured: the same model and batch in fp32 and in AMP."""
+    if amp_dtype is None:
+        raise UsageError("--example memory compares fp32 with AMP: use --precision fp16, bf16 or auto")
+    if args.model == "resnet18":
+        warn_if_cpu_fp16_convs(device, amp_dtype)
+    build_model, criterion, batch = memory_setup(args.model, args.batch_size, device, args.seed)
+    runs = {name: measure_training(build_model, batch, criterion, device, dtype, args.steps, seed=args.seed)
+            for name, dtype in (("fp32", None), ("amp", amp_dtype))}
+    runs["ratio"] = {key: (runs["amp"][key] / runs["fp32"][key]
+                           if runs["amp"][key] is not None and runs["fp32"][key] else None)
+                     for key in runs["fp32"]}
+    result = {"device": str(device), "model": args.model, "batch_size": args.batch_size,
+              "precision": precision_name(amp_dtype), "steps": args.steps,
+              "warmup_steps": MEMORY_WARMUP_STEPS, "torch": torch.__version__, "tf32": tf32_state(device),
+              **runs}
+    print(json.dumps(result, indent=2) if args.json else memory_report(result), flush=True)
+    return 0
+
+
+def memory_report(r):
+    """The memory example's table and its closing sentence, from run_memory's result."""
+    amp, fp32, ratio, name = r["amp"], r["fp32"], r["ratio"], r["precision"]
+    mib = lambda n: "n/a" if n is None else f"{n / 2**20:.2f} MiB"
+    rows = [("activation memory", "activation_bytes", mib), ("weight copies", "weight_copy_bytes", mib),
+            ("peak device memory", "peak_bytes", mib),
+            ("median step time", "step_seconds", lambda t: f"{1000 * t:.2f} ms"),
+            ("final loss", "final_loss", lambda x: f"{x:.4f}")]
+    tf32 = "n/a" if r["tf32"] is None else ("on" if r["tf32"]["cudnn_conv"] else "off") + " for fp32 convs"
+    lines = [f"memory | torch {r['torch']} | device {r['device']} | model {r['model']} | "
+             f"batch {r['batch_size']} | {r['warmup_steps']} warm-up + {r['steps']} timed steps | tf32 {tf32}",
+             f"{'':<20}{'fp32':>14}{name:>14}{name + '/fp32':>12}"]
+    for label, key, fmt in rows:
+        x = ratio[key]
+        lines.append(f"{label:<20}{fmt(fp32[key]):>14}{fmt(amp[key]):>14}{'n/a' if x is None else f'{x:.2f}':>12}")
+    if fp32["activation_bytes"] < 2**20:
+        lines.append(f"The activations here are {fp32['activation_bytes']} bytes in fp32 and "
+                     f"{amp['activation_bytes']} in {name}: a model this small has nothing to save. "
+                     f"AMP saves memory where activations are large: wide layers, images, big batches.")
+    else:
+        saved = (fp32["activation_bytes"] - amp["activation_bytes"]) / 2**20
+        lines.append(f"{name} autocast kept {ratio['activation_bytes']:.2f}x the activation memory of fp32 "
+                     f"({saved:.1f} MiB less at batch {r['batch_size']}), at the cost of "
+                     f"{mib(amp['weight_copy_bytes'])} of {name} weight copies. Activations grow with the "
+                     f"batch and the copies do not, so larger batches save more.")
+        if ratio["peak_bytes"] is not None:
+            lines.append(f"Peak device memory was {ratio['peak_bytes']:.2f}x that of fp32.")
+        lines.append(f"A step took {ratio['step_seconds']:.2f}x the time of fp32"
+                     + (" (this CPU has no tensor cores: bf16 saves memory here, not time)."
+                        if r["device"] == "cpu" and ratio["step_seconds"] > 1 else "."))
+    return "\n".join(lines)
 
 
 EXAMPLES = {"resnet": run_training, "linear": run_training, "memory": run_memory}
@@ -379,6 +524,13 @@ def parse_args(argv):
                         "test batches, for short runs (default: whole epochs)")
     p.add_argument("--clip-grad-norm", type=positive(float), default=None,
                    help="clip gradients to this total norm, after unscaling (default: no clipping)")
+    p.add_argument("--model", choices=["resnet18", "linear"], default="resnet18",
+                   help="memory only: the model to measure (default: %(default)s)")
+    p.add_argument("--steps", type=positive(int), default=MEMORY_STEPS,
+                   help=f"memory only: timed steps per precision, after {MEMORY_WARMUP_STEPS} "
+                        "warm-up steps (default: %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="memory only: print one JSON object instead of the table")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for weights, data and shuffling (default: %(default)s)")
     return p.parse_args(argv)

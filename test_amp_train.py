@@ -1,4 +1,5 @@
 """Tests for amp_train.py: CPU by default, CUDA cases run where a GPU is. Run: python -m pytest -q"""
+import json
 import pickle
 import re
 import urllib.error
@@ -163,6 +164,64 @@ def test_evaluate_counts_correct_predictions():
     assert not model.training, "evaluate must put the model in eval mode"
 
 
+# ---------------------------------------------------------------- measuring memory
+
+def small_conv_net():
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+
+
+@pytest.mark.parametrize("amp_dtype,activation_bytes,weight_copy_bytes", [
+    (None, 2 * 4 * 4, 0),                     # x, 8 floats; the weight is a parameter: not counted
+    (torch.bfloat16, 2 * 4 * 2, 3 * 4 * 2),   # autocast's bf16 copy of x; its bf16 copy of the weight
+])
+def test_count_saved_tensors_counts_activations_and_weight_copies(amp_dtype, activation_bytes, weight_copy_bytes):
+    model = nn.Linear(4, 3, bias=False)
+    with amp_train.count_saved_tensors(model) as saved:
+        with amp_train.amp_context(CPU, amp_dtype):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert saved == {"activation_bytes": activation_bytes, "weight_copy_bytes": weight_copy_bytes}, saved
+
+
+def test_autocast_halves_the_activation_memory_of_a_conv_net():
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
+    fp32, bf16 = (amp_train.measure_training(small_conv_net, batch, nn.CrossEntropyLoss(), CPU, dtype,
+                                             steps=2, warmup=1) for dtype in (None, torch.bfloat16))
+    ratio = bf16["activation_bytes"] / fp32["activation_bytes"]
+    assert ratio < 0.6, f"bf16/fp32 activation bytes {ratio:.3f}: {bf16} vs {fp32}"
+    assert fp32["weight_copy_bytes"] == 0 and bf16["weight_copy_bytes"] > 0, (fp32, bf16)
+    assert fp32["peak_bytes"] is None and bf16["peak_bytes"] is None, "no peak memory number on the CPU"
+    assert fp32["step_seconds"] > 0 and abs(bf16["final_loss"] - fp32["final_loss"]) < 0.05, (fp32, bf16)
+
+
+def test_memory_example_json_has_the_documented_keys(capsys):
+    assert amp_train.main(["--example", "memory", "--model", "linear", "--steps", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"device", "model", "batch_size", "precision", "fp32", "amp", "ratio"} <= set(result), result
+    assert (result["device"], result["model"], result["batch_size"], result["precision"]) == \
+        ("cpu", "linear", 128, "bf16"), result
+    for run in ("fp32", "amp"):
+        assert isinstance(result[run]["activation_bytes"], int) and result[run]["activation_bytes"] > 0
+        assert result[run]["peak_bytes"] is None, "peak memory is CUDA only: null on the CPU"
+        assert isinstance(result[run]["step_seconds"], float) and isinstance(result[run]["final_loss"], float)
+    assert set(result["ratio"]) == set(result["fp32"]), result["ratio"]
+    assert result["ratio"]["peak_bytes"] is None and 0 < result["ratio"]["activation_bytes"] < 1, result["ratio"]
+
+
+def test_memory_example_table_for_resnet(capsys):
+    assert amp_train.main(["--example", "memory", "--batch-size", "4", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^activation memory +[\d.]+ MiB +[\d.]+ MiB +0\.\d\d$", out, re.M), out
+    assert re.search(r"^peak device memory +n/a +n/a +n/a$", out, re.M), out
+    assert "bf16 autocast kept 0." in out and "model resnet18 | batch 4" in out, out
+
+
+def test_memory_example_says_the_linear_model_has_nothing_to_save(capsys):
+    assert amp_train.main(["--example", "memory", "--model", "linear", "--steps", "1"]) == 0
+    assert "a model this small has nothing to save" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- data
 
 def test_synthetic_data_is_seeded_and_split():
@@ -266,7 +325,8 @@ def run_bad(argv, capsys):
     ["--example", "nope"], ["--precision", "fp8"], ["--device", "tpu"], ["--data", "imagenet"],
     ["--epochs", "0"], ["--epochs", "-3"], ["--batch-size", "0"], ["--max-steps", "0"],
     ["--lr", "0"], ["--lr", "-0.1"], ["--lr", "nan"], ["--lr", "abc"], ["--clip-grad-norm", "0"],
-    ["--no-such-flag"],
+    ["--no-such-flag"], ["--example", "memory", "--precision", "fp32"], ["--example", "memory", "--steps", "0"],
+    ["--example", "memory", "--model", "vgg"],
 ])
 def test_bad_flags_exit_2_with_one_line(argv, capsys):
     run_bad(argv, capsys)
@@ -302,3 +362,16 @@ def test_cuda_resnet_example_runs(precision, capsys):
     assert amp_train.main(argv) == 0
     out = capsys.readouterr().out
     assert f"device cuda | precision {precision}" in out and re.search(r"^epoch 1/1 ", out, re.M), out
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_memory_example_measures_peak_memory(precision, capsys):
+    argv = ["--example", "memory", "--device", "cuda", "--precision", precision,
+            "--batch-size", "64", "--steps", "2", "--json"]
+    assert amp_train.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fp32"]["peak_bytes"] > 0 and result["amp"]["peak_bytes"] > 0, result
+    assert result["ratio"]["peak_bytes"] < 1, f"AMP peak memory should be below fp32's: {result['ratio']}"
+    assert result["ratio"]["activation_bytes"] < 0.6, result["ratio"]
+    assert result["tf32"] is not None, "on CUDA the TF32 state must be reported"
