@@ -36,6 +36,11 @@ LR_GAMMA = 0.1
 SYNTHETIC_TRAIN_SIZE = 10_000
 SYNTHETIC_TEST_SIZE = 2_000
 MEMORY_STEPS = 20
+# An fp16 run stops once the GradScaler has skipped a whole epoch's steps and at least this
+# many in a row: 32 halvings take the scale from 2**16 to 2**-16, so the gradients are not
+# merely large, they are inf/NaN. (Fewer would stop short epochs while the scaler calibrates.)
+SKIPPED_IN_A_ROW_TO_STOP = 32
+CHECKPOINT_FORMAT = "amp_train checkpoint 1"
 MEMORY_WARMUP_STEPS = 3
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -206,11 +211,13 @@ class EvalStats:
 
 
 def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
-                clip_grad_norm=None, max_steps=None, log_every=0):
+                clip_grad_norm=None, accum_steps=1, max_steps=None, log_every=0):
     """One pass over `loader` with AMP; returns EpochStats.
 
     Works for any model, any iterable of (inputs, targets) and any loss.
-    amp_dtype=None is plain fp32. The only host syncs are the scaler's own (in
+    amp_dtype=None is plain fp32. With accum_steps=K, gradients of K
+    micro-batches add up before each optimizer step; `max_steps` and the step
+    counts count optimizer steps. The only host syncs are the scaler's own (in
     scaler.step, when enabled), one at the end, and one every `log_every` steps
     when a progress line was asked for.
     """
@@ -219,34 +226,47 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
     # inf/NaN gradients. A hook needs no sync and works for any optimizer.
     taken = [0]
     hook = optimizer.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
-    loss_sum = torch.zeros((), device=device)    # summed on the device: no .item() per step
+
+    def optimizer_step():
+        if clip_grad_norm is not None:
+            scaler.unscale_(optimizer)         # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        scaler.step(optimizer)                 # unscales (unless done) and skips the step on inf/NaN
+        scaler.update()                        # halves the scale after a skip, grows it after a good run
+        optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros
+
+    loss_sum = torch.zeros((), device=device)  # summed on the device: no .item() per step
     nonfinite = torch.zeros((), dtype=torch.long, device=device)
-    steps = samples = 0
+    steps = samples = pending = 0              # pending: micro-batches since the last optimizer step
     start = time.perf_counter()
     try:
         for inputs, targets in loader:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            with amp_context(device, amp_dtype):   # autocast covers forward and loss only
+            with amp_context(device, amp_dtype):  # autocast covers forward and loss only
                 loss = criterion(model(inputs), targets)
-            scaler.scale(loss).backward()          # backward outside autocast, on the scaled loss so fp16 grads don't underflow
-            if clip_grad_norm is not None:
-                scaler.unscale_(optimizer)         # clip the true gradients, not the scaled ones
-                nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-            scaler.step(optimizer)                 # unscales (unless done) and skips the step on inf/NaN
-            scaler.update()                        # halves the scale after a skip, grows it after a good run
-            optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros
+            # Backward outside autocast, on the scaled loss so fp16 gradients don't underflow;
+            # divided by K so that K accumulated micro-batches give the mean gradient.
+            scaler.scale(loss / accum_steps).backward()
             loss = loss.detach().float()
             loss_sum += loss * len(targets)
             nonfinite += ~torch.isfinite(loss)
-            steps += 1
             samples += len(targets)
+            pending += 1
+            if pending < accum_steps:
+                continue
+            optimizer_step()
+            steps += 1
+            pending = 0
             if log_every and steps % log_every == 0:  # a host sync, once every log_every steps
                 elapsed = time.perf_counter() - start
                 print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
-                      f"{samples / elapsed:.0f} img/s", flush=True)
+                      f"{samples / elapsed:.0f} samples/s", flush=True)
             if steps == max_steps:
                 break
+        if pending:  # a shorter last group: step on it rather than drop its gradients
+            optimizer_step()
+            steps += 1
     finally:
         hook.remove()
     synchronize(device)
@@ -350,6 +370,80 @@ def measure_training(build_model, batch, criterion, device, amp_dtype,
     }
 
 
+# ---------------------------------------------------------------- checkpoints
+
+def checkpoint_state(args, amp_dtype, epochs_done, model, optimizer, scheduler, scaler, device):
+    """Everything a resumed run needs to continue as if it never stopped: tensors and plain types only."""
+    return {
+        "format": CHECKPOINT_FORMAT, "example": args.example, "precision": precision_name(amp_dtype),
+        "args": dict(vars(args)), "epoch": epochs_done,
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scaler": scaler.state_dict(),  # the loss scale and growth tracker; {} when the scaler is off
+        "rng": {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+    }
+
+
+def save_checkpoint(path, state):
+    """Writes to a temporary file beside `path`, then renames it into place: a crash while
+    writing leaves the last good checkpoint whole."""
+    tmp = f"{path}.tmp"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic when both names are on one file system
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise UsageError(f"could not write the checkpoint {path} ({e}); the last one is intact: "
+                         "free some space or pass another --checkpoint") from None
+
+
+def load_checkpoint(path, example):
+    """Reads a checkpoint of `example`; a missing, damaged or foreign file is a UsageError."""
+    if not os.path.isfile(path):
+        raise UsageError(f"there is no checkpoint at {path}: run without --resume to start one")
+    try:
+        # weights_only: a checkpoint from elsewhere is untrusted input, and this never runs pickled code.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, or holding more than tensors and plain types
+        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): "
+                         "pass another --checkpoint, or start again without --resume") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"{path} was not written by amp_train.py: pass one of its checkpoints to --resume")
+    if state["example"] != example:
+        raise UsageError(f"{path} is a checkpoint of the {state['example']} example, not {example}: "
+                         f"pass --example {state['example']} or another --checkpoint")
+    return state
+
+
+def restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype):
+    """Loads a checkpoint's states in place; returns notes for the user."""
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        raise UsageError(f"the checkpoint does not fit this model ({type(e).__name__}): "
+                         "pass the --checkpoint of this example") from None
+    notes = []
+    # The scaler's state matters only where a scaler runs: fp16 to bf16/fp32 drops it, and a
+    # bf16/fp32 checkpoint gives fp16 a fresh scale.
+    if scaler.is_enabled() and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
+    elif scaler.is_enabled():
+        notes.append(f"note: the checkpoint was saved in {state['precision']} without a GradScaler; "
+                     "fp16 starts from a fresh loss scale")
+    elif state["scaler"]:
+        notes.append(f"note: the checkpoint's GradScaler state is not used: "
+                     f"{precision_name(amp_dtype)} runs without a scaler")
+    torch.set_rng_state(state["rng"]["cpu"])
+    if device.type == "cuda" and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    return notes
+
+
 # ---------------------------------------------------------------- the examples
 
 def build_example(args, device):
@@ -368,31 +462,53 @@ def build_example(args, device):
 
 
 def run_training(args, device, amp_dtype):
-    """The resnet and linear examples: train, evaluate and print one line per epoch."""
+    """The resnet and linear examples: train, evaluate, print one line per epoch, checkpoint.
+
+    Returns the exit status: 0, or 1 when training stopped on inf/NaN.
+    """
     torch.manual_seed(args.seed)
     if args.example == "resnet":
         warn_if_cpu_fp16_convs(device, amp_dtype)
+    if args.checkpoint and not args.resume and os.path.exists(args.checkpoint):
+        raise UsageError(f"{args.checkpoint} already exists: add --resume to continue it, "
+                         "or pass another --checkpoint")
+    state = load_checkpoint(args.checkpoint, args.example) if args.resume else None
     model, criterion, train_loader, test_loader = build_example(args, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
                  if args.example == "resnet" else None)
     scaler = make_scaler(device, amp_dtype)
-    steps_per_epoch = min(len(train_loader), args.max_steps or len(train_loader))
+    start_epoch, notes = 0, []
+    if state is not None:
+        notes = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype)
+        start_epoch = state["epoch"]
+        notes.append(f"resumed from {args.checkpoint} after epoch {start_epoch}")
+
+    micro_batches = min(len(train_loader), (args.max_steps or len(train_loader)) * args.accum_steps)
+    steps_per_epoch = math.ceil(micro_batches / args.accum_steps)
     data = "fixed batch" if args.example == "linear" else args.data
     model_name = "linear(10->1)" if args.example == "linear" else "resnet18"
+    accumulated = f" x {args.accum_steps} accumulated" if args.accum_steps > 1 else ""
     print(f"amp_train | example {args.example} | torch {torch.__version__} | device {device} | "
           f"precision {precision_name(amp_dtype)} | scaler {'on' if scaler.is_enabled() else 'off'} | "
-          f"model {model_name} | data {data} | batch {args.batch_size} | "
+          f"model {model_name} | data {data} | batch {args.batch_size}{accumulated} | "
           f"epochs {args.epochs} | steps/epoch {steps_per_epoch}", flush=True)
+    for note in notes:
+        print(note, flush=True)
+    if start_epoch >= args.epochs:
+        print(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
+        return 0
+
     log_every = 50 if steps_per_epoch >= 100 else 0
     width = len(str(args.epochs))
     unit = "samples" if args.example == "linear" else "img"
-    for epoch in range(args.epochs):
+    skipped_in_a_row = 0
+    for epoch in range(start_epoch, args.epochs):
         train_loader.sampler.set_epoch(epoch)  # the shuffle depends on (seed, epoch) alone
         lr = optimizer.param_groups[0]["lr"]
         stats = train_epoch(model, train_loader, optimizer, criterion, scaler, device, amp_dtype,
-                            clip_grad_norm=args.clip_grad_norm, max_steps=args.max_steps,
-                            log_every=log_every)
+                            clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps,
+                            max_steps=args.max_steps, log_every=log_every)
         line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {stats.loss:.4f}"
         if test_loader is not None:
             ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
@@ -400,8 +516,26 @@ def run_training(args, device, amp_dtype):
         scale = "off" if stats.loss_scale is None else f"{stats.loss_scale:g}"
         print(f"{line} | lr {lr:.4g} | scale {scale} | skipped {stats.skipped_steps} | "
               f"{stats.samples_per_second:.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
-        if scheduler is not None:
-            scheduler.step()  # once per epoch, as StepLR(10, 0.1) expects
+
+        # train_epoch reports inf/NaN; here the example decides. Skipped fp16 steps are the
+        # scaler doing its job, until it has skipped everything for a long while.
+        all_skipped = stats.skipped_steps == stats.steps
+        skipped_in_a_row = skipped_in_a_row + stats.steps if all_skipped else 0
+        problem = None
+        if skipped_in_a_row >= max(stats.steps, SKIPPED_IN_A_ROW_TO_STOP):
+            problem = f"the GradScaler skipped all of the last {skipped_in_a_row} steps (inf/NaN gradients)"
+        elif amp_dtype is not torch.float16 and not math.isfinite(stats.loss):
+            problem = f"the mean training loss is {stats.loss} under {precision_name(amp_dtype)}"
+        if problem:
+            kept = f"{args.checkpoint} still holds the last good epoch; " if args.checkpoint else ""
+            print(f"error: epoch {epoch + 1}: {problem}; {kept}try a lower --lr or --clip-grad-norm",
+                  file=sys.stderr)
+            return 1
+        if scheduler is not None and not all_skipped:
+            scheduler.step()  # once per epoch, and only after an epoch in which the optimizer stepped
+        if args.checkpoint:
+            save_checkpoint(args.checkpoint, checkpoint_state(
+                args, amp_dtype, epoch + 1, model, optimizer, scheduler, scaler, device))
     return 0
 
 
@@ -524,6 +658,13 @@ def parse_args(argv):
                         "test batches, for short runs (default: whole epochs)")
     p.add_argument("--clip-grad-norm", type=positive(float), default=None,
                    help="clip gradients to this total norm, after unscaling (default: no clipping)")
+    p.add_argument("--accum-steps", type=positive(int), default=1,
+                   help="accumulate gradients over this many micro-batches of --batch-size "
+                        "per optimizer step (default: %(default)s)")
+    p.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="save a checkpoint here after every epoch, atomically (default: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint up to --epochs")
     p.add_argument("--model", choices=["resnet18", "linear"], default="resnet18",
                    help="memory only: the model to measure (default: %(default)s)")
     p.add_argument("--steps", type=positive(int), default=MEMORY_STEPS,
@@ -539,6 +680,8 @@ def parse_args(argv):
 def main(argv=None):
     try:
         args = parse_args(argv)
+        if args.resume and not args.checkpoint:
+            raise UsageError("--resume needs --checkpoint PATH: the checkpoint to continue from")
         device = resolve_device(args.device)
         amp_dtype = resolve_precision(args.precision, device)
         return EXAMPLES[args.example](args, device, amp_dtype)

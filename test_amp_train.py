@@ -3,6 +3,7 @@ import json
 import pickle
 import re
 import urllib.error
+import warnings
 
 import numpy as np
 import pytest
@@ -350,6 +351,210 @@ def test_missing_cifar10_exits_2_and_says_what_to_do(tmp_path, monkeypatch, caps
     monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive", offline)
     err = run_bad(["--example", "resnet", "--data-root", str(tmp_path / "data")], capsys)
     assert str(tmp_path / "data") in err and "cifar-10-python.tar.gz" in err and "--data synthetic" in err, err
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_the_size():
+    x, y = amp_train.linear_batch(32, seed=3)
+    big, big_opt, scaler = linear_setup(CPU, None)
+    amp_train.train_epoch(big, [(x, y)], big_opt, nn.MSELoss(), scaler, CPU, None)
+    small, small_opt, scaler = linear_setup(CPU, None)
+    micro = list(zip(x.split(8), y.split(8)))
+    stats = amp_train.train_epoch(small, micro, small_opt, nn.MSELoss(), scaler, CPU, None, accum_steps=4)
+    assert (stats.steps, stats.samples) == (1, 32), stats
+    assert not torch.equal(small.weight, linear_setup(CPU, None)[0].weight), "no step was taken"
+    # Measured difference: float32 rounding only (~1e-9); the tolerance leaves room for other CPUs.
+    assert torch.allclose(small.weight, big.weight, atol=1e-6, rtol=0), (small.weight - big.weight).abs().max()
+    assert torch.allclose(small.bias, big.bias, atol=1e-6, rtol=0), (small.bias - big.bias).abs().max()
+
+
+def test_accumulation_counts_optimizer_steps_and_steps_on_a_short_last_group():
+    x, y = amp_train.linear_batch(8)
+    bad_x = x.clone()
+    bad_x[0, 0] = float("inf")
+    model, optimizer, scaler = linear_setup(CPU, torch.float16)
+    batches = [(x, y), (bad_x, y), (x, y), (x, y), (x, y)]  # groups of 2: [good, bad] [good, good] [good]
+    stats = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), scaler, CPU, torch.float16,
+                                  accum_steps=2)
+    assert (stats.steps, stats.skipped_steps, stats.samples) == (3, 1, 40), stats
+    limited = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), scaler, CPU, torch.float16,
+                                    accum_steps=2, max_steps=1)
+    assert (limited.steps, limited.samples) == (1, 16), limited
+
+
+def test_resnet_example_with_accumulation(capsys):
+    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2",
+            "--batch-size", "2", "--accum-steps", "2"]
+    assert amp_train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "batch 2 x 2 accumulated" in out and "steps/epoch 2" in out, out
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+
+RESNET_TINY = ["--example", "resnet", "--data", "synthetic", "--max-steps", "2", "--batch-size", "4"]
+LINEAR_FP16 = ["--example", "linear", "--precision", "fp16"]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_state(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where} keys differ"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}/{i}")
+    else:
+        assert a == b, f"{where}: {a} != {b}"
+
+
+@pytest.mark.parametrize("example,epochs,split", [(RESNET_TINY, 3, 2), (LINEAR_FP16, 6, 3)])
+def test_resume_gives_bit_identical_weights(example, epochs, split, tmp_path, capsys):
+    straight, resumed = str(tmp_path / "straight.pt"), str(tmp_path / "resumed.pt")
+    assert amp_train.main(example + ["--epochs", str(epochs), "--checkpoint", straight]) == 0
+    assert amp_train.main(example + ["--epochs", str(split), "--checkpoint", resumed]) == 0
+    assert load(resumed)["epoch"] == split
+    assert amp_train.main(example + ["--epochs", str(epochs), "--checkpoint", resumed, "--resume"]) == 0
+    assert f"resumed from {resumed} after epoch {split}" in capsys.readouterr().out
+    a, b = load(straight), load(resumed)
+    assert a["epoch"] == b["epoch"] == epochs
+    for key in ("model", "optimizer", "scheduler", "scaler", "rng"):
+        assert_same_state(a[key], b[key], key)
+
+
+def test_checkpoint_loads_with_weights_only_and_holds_what_resume_needs(tmp_path):
+    path = tmp_path / "run.pt"
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--checkpoint", str(path)]) == 0
+    state = torch.load(path, weights_only=True)  # raises if anything but tensors and plain types is inside
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "rng", "args", "precision"} <= set(state)
+    assert state["scaler"]["scale"] == 65536.0 and state["precision"] == "fp16", state["scaler"]
+    assert isinstance(state["rng"]["cpu"], torch.Tensor)
+    assert not (tmp_path / "run.pt.tmp").exists(), "the temporary file must be renamed into place"
+
+
+def test_a_failed_save_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "run.pt"
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
+    before = path.read_bytes()
+    def disk_full(obj, f):
+        with open(f, "wb") as out:
+            out.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(amp_train.torch, "save", disk_full)
+    err = run_bad(LINEAR_FP16 + ["--epochs", "3", "--checkpoint", str(path), "--resume"], capsys)
+    assert "the last one is intact" in err, err
+    assert path.read_bytes() == before, "the last good checkpoint was changed"
+    assert not (tmp_path / "run.pt.tmp").exists(), "the half-written temporary file was left behind"
+
+
+def write_foreign(path):
+    torch.save({"weights": torch.zeros(3)}, path)
+
+
+def truncate(path):
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
+    path.write_bytes(path.read_bytes()[:200])
+
+
+def other_example(path):
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
+
+
+@pytest.mark.parametrize("make,argv,says", [
+    (None, RESNET_TINY + ["--epochs", "2", "--resume"], "no checkpoint at"),
+    (truncate, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not a readable checkpoint"),
+    (write_foreign, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not written by amp_train.py"),
+    (other_example, RESNET_TINY + ["--epochs", "2", "--resume"], "checkpoint of the linear example"),
+    (other_example, LINEAR_FP16 + ["--epochs", "2"], "already exists: add --resume"),
+])
+def test_bad_checkpoints_exit_2_and_are_not_touched(make, argv, says, tmp_path, capsys):
+    path = tmp_path / "run.pt"
+    if make:
+        make(path)
+        capsys.readouterr()
+    before = path.read_bytes() if path.exists() else None
+    err = run_bad(argv + ["--checkpoint", str(path)], capsys)
+    assert says in err, err
+    assert (path.read_bytes() if path.exists() else None) == before, "the checkpoint file was changed"
+
+
+def test_resume_needs_a_checkpoint_path(capsys):
+    assert "--resume needs --checkpoint" in run_bad(["--example", "linear", "--resume"], capsys)
+
+
+@pytest.mark.parametrize("first,then,note", [
+    ("fp16", "bf16", "GradScaler state is not used: bf16 runs without a scaler"),
+    ("fp16", "fp32", "GradScaler state is not used: fp32 runs without a scaler"),
+    ("bf16", "fp16", "saved in bf16 without a GradScaler; fp16 starts from a fresh loss scale"),
+])
+def test_resume_in_another_precision(first, then, note, tmp_path, capsys):
+    path = str(tmp_path / "run.pt")
+    assert amp_train.main(["--example", "linear", "--precision", first, "--epochs", "2", "--checkpoint", path]) == 0
+    argv = ["--example", "linear", "--precision", then, "--epochs", "4", "--checkpoint", path, "--resume"]
+    assert amp_train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert note in out and "epoch 4/4" in out, out
+    assert load(path)["precision"] == then
+
+
+def test_resume_when_already_done_does_nothing(tmp_path, capsys):
+    path = str(tmp_path / "run.pt")
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--checkpoint", path]) == 0
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--checkpoint", path, "--resume"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- inf and NaN in the examples
+
+def scaler_that_always_overflows(device, amp_dtype):
+    # An infinite loss scale makes every scaled gradient inf, so every step is skipped.
+    return torch.amp.GradScaler(device.type, init_scale=float("inf"))
+
+
+def test_nonfinite_loss_stops_bf16_and_fp32_and_keeps_the_last_checkpoint(tmp_path, capsys):
+    path = tmp_path / "run.pt"
+    argv = ["--example", "linear", "--precision", "fp32", "--lr", "1e20", "--epochs", "5", "--checkpoint", str(path)]
+    assert amp_train.main(argv) == 1, "a diverged run must exit non-zero"
+    captured = capsys.readouterr()
+    assert "error: epoch 2: the mean training loss is inf under fp32" in captured.err, captured.err
+    assert "--lr" in captured.err and "still holds the last good epoch" in captured.err, captured.err
+    assert load(path)["epoch"] == 1, "the diverged epoch must not be saved"
+
+
+def test_a_run_whose_scaler_skips_everything_stops(monkeypatch, capsys):
+    monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
+    assert amp_train.main(["--example", "linear", "--epochs", "100"]) == 1
+    captured = capsys.readouterr()
+    assert "error: epoch 32: the GradScaler skipped all of the last 32 steps" in captured.err, captured.err
+    assert re.search(r"^epoch +32/100", captured.out, re.M) and "33/100" not in captured.out, captured.out
+
+
+def test_an_epoch_whose_steps_were_all_skipped_stops_resnet(monkeypatch, capsys):
+    monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
+    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "3", "--max-steps", "33", "--batch-size", "2"]
+    assert amp_train.main(argv) == 1
+    assert "error: epoch 1: the GradScaler skipped all of the last 33 steps" in capsys.readouterr().err
+
+
+def test_skipped_steps_do_not_step_the_lr_scheduler_early(monkeypatch, capsys):
+    # Every step of these short epochs is skipped: stepping StepLR anyway would warn
+    # "Detected call of lr_scheduler.step() before optimizer.step()".
+    monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert amp_train.main(RESNET_TINY + ["--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^epoch 2/2 .*\| skipped 2 \|", out, re.M), out
+    messages = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert not messages, messages
 
 
 # ---------------------------------------------------------------- CUDA only
