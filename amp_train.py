@@ -8,6 +8,7 @@ PyTorch models": the post's programs, fixed, on CUDA or CPU.
     python amp_train.py --example resnet                      # ResNet18 on CIFAR-10, 100 epochs
     python amp_train.py --example resnet --data synthetic     # the same, offline
     python amp_train.py --help                                # every flag and its default
+    torchrun --nproc_per_node=2 amp_train.py --example resnet # DistributedDataParallel, one GPU a process
 
 Precision is chosen once (`--precision auto`: fp16 with a GradScaler on CUDA,
 bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
@@ -24,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -54,11 +56,17 @@ class UsageError(Exception):
 # ---------------------------------------------------------------- device and precision
 
 def resolve_device(name):
-    """'auto' is cuda when a GPU is visible, else cpu."""
+    """'auto' is cuda when a GPU is visible, else cpu. Under torchrun, GPU number LOCAL_RANK."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu or --device auto")
+    if name == "cuda" and "LOCAL_RANK" in os.environ:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"process {local_rank} has no GPU of its own: start at most "
+                             f"--nproc_per_node={torch.cuda.device_count()} processes on this machine")
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 
@@ -90,6 +98,24 @@ def warn_if_cpu_fp16_convs(device, amp_dtype):
     if device.type == "cpu" and amp_dtype is torch.float16:
         print("warning: fp16 convolutions are very slow on CPUs (about 100x); "
               "--precision bf16 is the fast CPU choice", file=sys.stderr)
+
+
+def init_distributed(device):
+    """Under torchrun, joins the process group its environment describes: NCCL on CUDA, gloo
+    on the CPU. Without torchrun, makes no group and the run is a plain single process."""
+    if "WORLD_SIZE" in os.environ:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def all_reduce_sum(values, device):
+    """Sums numbers over all processes; returns them as they are in a single process."""
+    if not dist.is_initialized():
+        return list(values)
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
 
 
 def synchronize(device):
@@ -446,26 +472,34 @@ def restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_d
 
 # ---------------------------------------------------------------- the examples
 
-def build_example(args, device):
-    """Model, criterion, train loader and test loader (None for linear) for args.example."""
+def build_example(args, device, rank=0, world_size=1):
+    """Model, criterion, train loader and test loader (None for linear) for args.example.
+
+    Each of `world_size` processes gets its own shard of the data, --batch-size per step.
+    """
     if args.example == "linear":
-        x, y = linear_batch(args.batch_size, args.seed)
         # One fixed batch, as in the post: each "epoch" is one iteration over it.
+        # Under torchrun each process gets a batch of its own.
+        x, y = linear_batch(args.batch_size * world_size, args.seed)
         dataset = torch.utils.data.TensorDataset(x, y)
-        loader = make_loader(dataset, args.batch_size, device, shuffle=False, seed=args.seed)
+        loader = make_loader(dataset, args.batch_size, device, False, args.seed, rank, world_size)
         return build_linear().to(device), nn.MSELoss(), loader, None
     if args.data == "synthetic":
-        train, test = synthetic_loaders(args.batch_size, device, args.seed)
+        train, test = synthetic_loaders(args.batch_size, device, args.seed, rank, world_size)
     else:
-        train, test = cifar10_loaders(args.data_root, args.batch_size, device, args.seed)
+        train, test = cifar10_loaders(args.data_root, args.batch_size, device, args.seed, rank, world_size)
     return build_resnet18().to(device), nn.CrossEntropyLoss(), train, test
 
 
 def run_training(args, device, amp_dtype):
     """The resnet and linear examples: train, evaluate, print one line per epoch, checkpoint.
 
-    Returns the exit status: 0, or 1 when training stopped on inf/NaN.
+    Returns the exit status: 0, or 1 when training stopped on inf/NaN. Under torchrun the
+    model is wrapped in DistributedDataParallel; AMP needs nothing else. Only rank 0 prints
+    and saves.
     """
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    log = print if rank == 0 else (lambda *args, **kwargs: None)
     torch.manual_seed(args.seed)
     if args.example == "resnet":
         warn_if_cpu_fp16_convs(device, amp_dtype)
@@ -473,7 +507,7 @@ def run_training(args, device, amp_dtype):
         raise UsageError(f"{args.checkpoint} already exists: add --resume to continue it, "
                          "or pass another --checkpoint")
     state = load_checkpoint(args.checkpoint, args.example) if args.resume else None
-    model, criterion, train_loader, test_loader = build_example(args, device)
+    model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
                  if args.example == "resnet" else None)
@@ -483,39 +517,53 @@ def run_training(args, device, amp_dtype):
         notes = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype)
         start_epoch = state["epoch"]
         notes.append(f"resumed from {args.checkpoint} after epoch {start_epoch}")
+    # DDP averages the gradients across processes during backward. The GradScaler then sees
+    # the same gradients on every process, so all of them skip the same steps. Checkpoints
+    # hold the unwrapped `model`, so they resume with or without torchrun.
+    trained = model
+    if world_size > 1:
+        trained = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
 
     micro_batches = min(len(train_loader), (args.max_steps or len(train_loader)) * args.accum_steps)
     steps_per_epoch = math.ceil(micro_batches / args.accum_steps)
     data = "fixed batch" if args.example == "linear" else args.data
     model_name = "linear(10->1)" if args.example == "linear" else "resnet18"
     accumulated = f" x {args.accum_steps} accumulated" if args.accum_steps > 1 else ""
-    print(f"amp_train | example {args.example} | torch {torch.__version__} | device {device} | "
-          f"precision {precision_name(amp_dtype)} | scaler {'on' if scaler.is_enabled() else 'off'} | "
-          f"model {model_name} | data {data} | batch {args.batch_size}{accumulated} | "
-          f"epochs {args.epochs} | steps/epoch {steps_per_epoch}", flush=True)
+    log(f"amp_train | example {args.example} | torch {torch.__version__} | device {device} | "
+        f"precision {precision_name(amp_dtype)} | scaler {'on' if scaler.is_enabled() else 'off'} | "
+        f"model {model_name} | data {data} | batch {args.batch_size}{accumulated} | "
+        f"processes {world_size} | global batch {args.batch_size * args.accum_steps * world_size} | "
+        f"epochs {args.epochs} | steps/epoch {steps_per_epoch}", flush=True)
     for note in notes:
-        print(note, flush=True)
+        log(note, flush=True)
     if start_epoch >= args.epochs:
-        print(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
+        log(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
         return 0
 
-    log_every = 50 if steps_per_epoch >= 100 else 0
+    log_every = 50 if steps_per_epoch >= 100 and rank == 0 else 0
     width = len(str(args.epochs))
     unit = "samples" if args.example == "linear" else "img"
     skipped_in_a_row = 0
     for epoch in range(start_epoch, args.epochs):
         train_loader.sampler.set_epoch(epoch)  # the shuffle depends on (seed, epoch) alone
         lr = optimizer.param_groups[0]["lr"]
-        stats = train_epoch(model, train_loader, optimizer, criterion, scaler, device, amp_dtype,
+        stats = train_epoch(trained, train_loader, optimizer, criterion, scaler, device, amp_dtype,
                             clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps,
                             max_steps=args.max_steps, log_every=log_every)
-        line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {stats.loss:.4f}"
+        # Per-process sums, added up over all processes (a no-op in one process).
+        loss_sum, samples = all_reduce_sum([stats.loss * stats.samples, stats.samples], device)
+        train_loss = loss_sum / max(samples, 1)
+        line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {train_loss:.4f}"
         if test_loader is not None:
+            # The DistributedSampler pads the test set to a multiple of the process count.
             ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
-            line += f" | test loss {ev.loss:.4f} | test acc {100 * ev.accuracy:5.2f}%"
+            ev_loss, correct, ev_samples = all_reduce_sum(
+                [ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples], device)
+            line += f" | test loss {ev_loss / ev_samples:.4f} | test acc {100 * correct / ev_samples:5.2f}%"
         scale = "off" if stats.loss_scale is None else f"{stats.loss_scale:g}"
-        print(f"{line} | lr {lr:.4g} | scale {scale} | skipped {stats.skipped_steps} | "
-              f"{stats.samples_per_second:.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
+        log(f"{line} | lr {lr:.4g} | scale {scale} | skipped {stats.skipped_steps} | "
+            f"{samples / stats.seconds:.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
 
         # train_epoch reports inf/NaN; here the example decides. Skipped fp16 steps are the
         # scaler doing its job, until it has skipped everything for a long while.
@@ -524,16 +572,16 @@ def run_training(args, device, amp_dtype):
         problem = None
         if skipped_in_a_row >= max(stats.steps, SKIPPED_IN_A_ROW_TO_STOP):
             problem = f"the GradScaler skipped all of the last {skipped_in_a_row} steps (inf/NaN gradients)"
-        elif amp_dtype is not torch.float16 and not math.isfinite(stats.loss):
-            problem = f"the mean training loss is {stats.loss} under {precision_name(amp_dtype)}"
+        elif amp_dtype is not torch.float16 and not math.isfinite(train_loss):
+            problem = f"the mean training loss is {train_loss} under {precision_name(amp_dtype)}"
         if problem:
             kept = f"{args.checkpoint} still holds the last good epoch; " if args.checkpoint else ""
-            print(f"error: epoch {epoch + 1}: {problem}; {kept}try a lower --lr or --clip-grad-norm",
-                  file=sys.stderr)
+            log(f"error: epoch {epoch + 1}: {problem}; {kept}try a lower --lr or --clip-grad-norm",
+                file=sys.stderr)
             return 1
         if scheduler is not None and not all_skipped:
             scheduler.step()  # once per epoch, and only after an epoch in which the optimizer stepped
-        if args.checkpoint:
+        if args.checkpoint and rank == 0:
             save_checkpoint(args.checkpoint, checkpoint_state(
                 args, amp_dtype, epoch + 1, model, optimizer, scheduler, scaler, device))
     return 0
@@ -558,6 +606,8 @@ def tf32_state(device):
 
 def run_memory(args, device, amp_dtype):
     """The post's "saves memory" claim, measured: the same model and batch in fp32 and in AMP."""
+    if dist.is_initialized():
+        raise UsageError("--example memory measures one process: run it with python, not torchrun")
     if amp_dtype is None:
         raise UsageError("--example memory compares fp32 with AMP: use --precision fp16, bf16 or auto")
     if args.model == "resnet18":
@@ -684,10 +734,14 @@ def main(argv=None):
             raise UsageError("--resume needs --checkpoint PATH: the checkpoint to continue from")
         device = resolve_device(args.device)
         amp_dtype = resolve_precision(args.precision, device)
+        init_distributed(device)
         return EXAMPLES[args.example](args, device, amp_dtype)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
 """Tests for amp_train.py: CPU by default, CUDA cases run where a GPU is. Run: python -m pytest -q"""
+import contextlib
 import json
+import os
+import pathlib
 import pickle
 import re
+import socket
+import subprocess
+import sys
 import urllib.error
 import warnings
 
@@ -555,6 +561,83 @@ def test_skipped_steps_do_not_step_the_lr_scheduler_early(monkeypatch, capsys):
     assert re.search(r"^epoch 2/2 .*\| skipped 2 \|", out, re.M), out
     messages = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
     assert not messages, messages
+
+
+# ---------------------------------------------------------------- several processes (DDP, gloo on the CPU)
+
+def ddp_worker(rank, argv, out_dir, port):
+    """One process of a 2-process run, set up as torchrun would; saves its log, exit code and weights."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    built = {}
+    build_example = amp_train.build_example
+    def recording(*args, **kwargs):
+        built["parts"] = build_example(*args, **kwargs)
+        return built["parts"]
+    amp_train.build_example = recording
+    with open(out_dir / f"rank{rank}.out", "w") as out, open(out_dir / f"rank{rank}.err", "w") as err, \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = amp_train.main(argv)
+    parameters = dict(built["parts"][0].named_parameters()) if "parts" in built else {}
+    torch.save({"code": code, "group_left": not torch.distributed.is_initialized(),
+                "parameters": {k: v.detach() for k, v in parameters.items()}}, out_dir / f"rank{rank}.pt")
+
+
+def run_two_processes(argv, out_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(ddp_worker, args=(argv, out_dir, port), nprocs=2)
+    return [dict(torch.load(out_dir / f"rank{r}.pt", weights_only=True),
+                 out=(out_dir / f"rank{r}.out").read_text(), err=(out_dir / f"rank{r}.err").read_text())
+            for r in range(2)]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--example", "linear", "--epochs", "3", "--precision", "fp16"],
+    ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2", "--batch-size", "4"],
+])
+def test_two_processes_train_in_step_and_only_rank_0_logs(argv, tmp_path):
+    rank0, rank1 = run_two_processes(argv, tmp_path)
+    assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
+    assert rank0["group_left"] and rank1["group_left"], "the process group must be destroyed at the end"
+    assert "processes 2 | global batch" in rank0["out"] and re.search(r"^epoch +1/", rank0["out"], re.M)
+    assert rank1["out"] == "" and rank1["err"] == "", f"rank 1 must not log: {rank1['out']!r} {rank1['err']!r}"
+    assert rank0["parameters"].keys() == rank1["parameters"].keys() and rank0["parameters"]
+    for name, weight in rank0["parameters"].items():
+        assert torch.equal(weight, rank1["parameters"][name]), f"{name} differs between the ranks"
+
+
+def test_checkpoints_move_between_one_and_two_processes(tmp_path):
+    path = str(tmp_path / "run.pt")
+    linear = ["--example", "linear", "--checkpoint", path]
+    assert amp_train.main(linear + ["--epochs", "1"]) == 0
+    rank0, rank1 = run_two_processes(linear + ["--epochs", "2", "--resume"], tmp_path)
+    assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
+    assert f"resumed from {path} after epoch 1" in rank0["out"], rank0["out"]
+    saved = load(path)
+    assert saved["epoch"] == 2 and set(saved["model"]) == {"weight", "bias"}, "save the unwrapped module"
+    assert amp_train.main(linear + ["--epochs", "3", "--resume"]) == 0
+    assert load(path)["epoch"] == 3
+
+
+def test_an_error_under_two_processes_exits_2_and_leaves_the_group(tmp_path):
+    path = tmp_path / "run.pt"
+    write_foreign(path)
+    ranks = run_two_processes(["--example", "linear", "--checkpoint", str(path), "--resume"], tmp_path)
+    for rank in ranks:
+        assert rank["code"] == 2 and "not written by amp_train.py" in rank["err"], rank
+        assert rank["group_left"], "the process group must be destroyed on errors too"
+
+
+def test_torchrun_launches_the_linear_example(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(pathlib.Path(amp_train.__file__)), "--example", "linear", "--epochs", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("amp_train | example linear") == 1, done.stdout
+    assert "processes 2 | global batch 256" in done.stdout, done.stdout
+    assert len(re.findall(r"^epoch 2/2 ", done.stdout, re.M)) == 1, done.stdout
 
 
 # ---------------------------------------------------------------- CUDA only
