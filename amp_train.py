@@ -38,12 +38,12 @@ LR_GAMMA = 0.1
 SYNTHETIC_TRAIN_SIZE = 10_000
 SYNTHETIC_TEST_SIZE = 2_000
 MEMORY_STEPS = 20
+MEMORY_WARMUP_STEPS = 3
 # An fp16 run stops once the GradScaler has skipped a whole epoch's steps and at least this
 # many in a row: 32 halvings take the scale from 2**16 to 2**-16, so the gradients are not
 # merely large, they are inf/NaN. (Fewer would stop short epochs while the scaler calibrates.)
 SKIPPED_IN_A_ROW_TO_STOP = 32
 CHECKPOINT_FORMAT = "amp_train checkpoint 1"
-MEMORY_WARMUP_STEPS = 3
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -224,10 +224,6 @@ class EpochStats:
     seconds: float
     loss_scale: float | None  # the GradScaler's scale at the end, None when it is off
 
-    @property
-    def samples_per_second(self):
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
-
 
 @dataclass
 class EvalStats:
@@ -366,7 +362,7 @@ def count_saved_tensors(model):
 
 
 def measure_training(build_model, batch, criterion, device, amp_dtype,
-                     steps=MEMORY_STEPS, warmup=MEMORY_WARMUP_STEPS, seed=0):
+                     steps=MEMORY_STEPS, warmup=MEMORY_WARMUP_STEPS, seed=0, lr=DEFAULT_LR):
     """Trains a fresh, seeded model on one fixed batch with train_epoch and returns what it measured.
 
     `warmup` untimed steps, one step whose saved tensors are counted, then
@@ -374,7 +370,7 @@ def measure_training(build_model, batch, criterion, device, amp_dtype,
     """
     torch.manual_seed(seed)
     model = build_model().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=DEFAULT_LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = make_scaler(device, amp_dtype)
 
     def step():  # train_epoch synchronizes before it reads the clock
@@ -444,30 +440,30 @@ def load_checkpoint(path, example):
 
 
 def restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype):
-    """Loads a checkpoint's states in place; returns notes for the user."""
+    """Loads a checkpoint's states in place; returns (epochs done, notes for the user)."""
+    notes = []
     try:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
+        # The scaler's state matters only where a scaler runs: fp16 to bf16/fp32 drops it,
+        # and a bf16/fp32 checkpoint gives fp16 a fresh scale.
+        if scaler.is_enabled() and state["scaler"]:
+            scaler.load_state_dict(state["scaler"])
+        elif scaler.is_enabled():
+            notes.append(f"note: the checkpoint was saved in {state['precision']} without a GradScaler; "
+                         "fp16 starts from a fresh loss scale")
+        elif state["scaler"]:
+            notes.append(f"note: the checkpoint's GradScaler state is not used: "
+                         f"{precision_name(amp_dtype)} runs without a scaler")
+        torch.set_rng_state(state["rng"]["cpu"])
+        if device.type == "cuda" and state["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        return int(state["epoch"]), notes
     except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise UsageError(f"the checkpoint does not fit this model ({type(e).__name__}): "
-                         "pass the --checkpoint of this example") from None
-    notes = []
-    # The scaler's state matters only where a scaler runs: fp16 to bf16/fp32 drops it, and a
-    # bf16/fp32 checkpoint gives fp16 a fresh scale.
-    if scaler.is_enabled() and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    elif scaler.is_enabled():
-        notes.append(f"note: the checkpoint was saved in {state['precision']} without a GradScaler; "
-                     "fp16 starts from a fresh loss scale")
-    elif state["scaler"]:
-        notes.append(f"note: the checkpoint's GradScaler state is not used: "
-                     f"{precision_name(amp_dtype)} runs without a scaler")
-    torch.set_rng_state(state["rng"]["cpu"])
-    if device.type == "cuda" and state["rng"]["cuda"] is not None:
-        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-    return notes
+        raise UsageError(f"the checkpoint does not fit this run ({type(e).__name__}: {e}): "
+                         "pass a --checkpoint of this example") from None
 
 
 # ---------------------------------------------------------------- the examples
@@ -514,8 +510,7 @@ def run_training(args, device, amp_dtype):
     scaler = make_scaler(device, amp_dtype)
     start_epoch, notes = 0, []
     if state is not None:
-        notes = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype)
-        start_epoch = state["epoch"]
+        start_epoch, notes = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype)
         notes.append(f"resumed from {args.checkpoint} after epoch {start_epoch}")
     # DDP averages the gradients across processes during backward. The GradScaler then sees
     # the same gradients on every process, so all of them skip the same steps. Checkpoints
@@ -563,7 +558,7 @@ def run_training(args, device, amp_dtype):
             line += f" | test loss {ev_loss / ev_samples:.4f} | test acc {100 * correct / ev_samples:5.2f}%"
         scale = "off" if stats.loss_scale is None else f"{stats.loss_scale:g}"
         log(f"{line} | lr {lr:.4g} | scale {scale} | skipped {stats.skipped_steps} | "
-            f"{samples / stats.seconds:.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
+            f"{samples / max(stats.seconds, 1e-9):.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
 
         # train_epoch reports inf/NaN; here the example decides. Skipped fp16 steps are the
         # scaler doing its job, until it has skipped everything for a long while.
@@ -613,7 +608,8 @@ def run_memory(args, device, amp_dtype):
     if args.model == "resnet18":
         warn_if_cpu_fp16_convs(device, amp_dtype)
     build_model, criterion, batch = memory_setup(args.model, args.batch_size, device, args.seed)
-    runs = {name: measure_training(build_model, batch, criterion, device, dtype, args.steps, seed=args.seed)
+    runs = {name: measure_training(build_model, batch, criterion, device, dtype, args.steps,
+                                   seed=args.seed, lr=args.lr)
             for name, dtype in (("fp32", None), ("amp", amp_dtype))}
     runs["ratio"] = {key: (runs["amp"][key] / runs["fp32"][key]
                            if runs["amp"][key] is not None and runs["fp32"][key] else None)
@@ -735,7 +731,10 @@ def main(argv=None):
         device = resolve_device(args.device)
         amp_dtype = resolve_precision(args.precision, device)
         init_distributed(device)
-        return EXAMPLES[args.example](args, device, amp_dtype)
+        status = EXAMPLES[args.example](args, device, amp_dtype)
+        if dist.is_initialized():
+            dist.barrier()  # let every process finish its last collective before any leaves
+        return status
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
