@@ -16,6 +16,7 @@ bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
 """
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -740,6 +741,9 @@ def main(argv=None):
         return 2
     finally:
         if dist.is_initialized():
+            # DDP's reducer holds the process group inside reference cycles: collect it first,
+            # or gloo's threads die at interpreter exit and abort the process (seen here).
+            gc.collect()
             dist.destroy_process_group()
 
 
