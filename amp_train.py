@@ -97,7 +97,7 @@ def amp_context(device, amp_dtype):
 
 def warn_if_cpu_fp16_convs(device, amp_dtype):
     if device.type == "cpu" and amp_dtype is torch.float16:
-        print("warning: fp16 convolutions are very slow on CPUs (about 100x); "
+        print("warning: fp16 convolutions are very slow on CPUs (tens of times slower than fp32); "
               "--precision bf16 is the fast CPU choice", file=sys.stderr)
 
 
@@ -651,7 +651,7 @@ def memory_report(r):
         if ratio["peak_bytes"] is not None:
             lines.append(f"Peak device memory was {ratio['peak_bytes']:.2f}x that of fp32.")
         lines.append(f"A step took {ratio['step_seconds']:.2f}x the time of fp32"
-                     + (" (this CPU has no tensor cores: bf16 saves memory here, not time)."
+                     + (f" (a CPU has no tensor cores: {name} saves memory here, not time)."
                         if r["device"] == "cpu" and ratio["step_seconds"] > 1 else "."))
     return "\n".join(lines)
 

@@ -203,7 +203,8 @@ def test_autocast_halves_the_activation_memory_of_a_conv_net():
 
 
 def test_memory_example_json_has_the_documented_keys(capsys):
-    assert amp_train.main(["--example", "memory", "--model", "linear", "--steps", "2", "--json"]) == 0
+    argv = ["--device", "cpu", "--example", "memory", "--model", "linear", "--steps", "2", "--json"]
+    assert amp_train.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"device", "model", "batch_size", "precision", "fp32", "amp", "ratio"} <= set(result), result
     assert (result["device"], result["model"], result["batch_size"], result["precision"]) == \
@@ -217,7 +218,7 @@ def test_memory_example_json_has_the_documented_keys(capsys):
 
 
 def test_memory_example_table_for_resnet(capsys):
-    assert amp_train.main(["--example", "memory", "--batch-size", "4", "--steps", "1"]) == 0
+    assert amp_train.main(["--device", "cpu", "--example", "memory", "--batch-size", "4", "--steps", "1"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^activation memory +[\d.]+ MiB +[\d.]+ MiB +0\.\d\d$", out, re.M), out
     assert re.search(r"^peak device memory +n/a +n/a +n/a$", out, re.M), out
@@ -225,7 +226,7 @@ def test_memory_example_table_for_resnet(capsys):
 
 
 def test_memory_example_says_the_linear_model_has_nothing_to_save(capsys):
-    assert amp_train.main(["--example", "memory", "--model", "linear", "--steps", "1"]) == 0
+    assert amp_train.main(["--device", "cpu", "--example", "memory", "--model", "linear", "--steps", "1"]) == 0
     assert "a model this small has nothing to save" in capsys.readouterr().out
 
 
@@ -294,13 +295,13 @@ def test_linear_example_runs_and_learns(capsys):
 
 
 def test_linear_example_in_fp16_uses_the_scaler(capsys):
-    assert amp_train.main(["--example", "linear", "--epochs", "2", "--precision", "fp16"]) == 0
+    assert amp_train.main(["--device", "cpu", "--example", "linear", "--epochs", "2", "--precision", "fp16"]) == 0
     out = capsys.readouterr().out
     assert "scaler on" in out and "scale 65536 | skipped 0" in out, out
 
 
 def test_resnet_example_runs_on_synthetic_data(capsys):
-    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "2", "--max-steps", "2",
+    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "2", "--max-steps", "2",
             "--batch-size", "4", "--clip-grad-norm", "5"]
     assert amp_train.main(argv) == 0
     out = capsys.readouterr().out
@@ -311,7 +312,7 @@ def test_resnet_example_runs_on_synthetic_data(capsys):
 
 
 def test_resnet_in_fp16_on_cpu_warns_and_runs(capsys):
-    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "1",
+    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "1",
             "--batch-size", "2", "--precision", "fp16", "--device", "cpu"]
     assert amp_train.main(argv) == 0
     captured = capsys.readouterr()
@@ -332,8 +333,9 @@ def run_bad(argv, capsys):
     ["--example", "nope"], ["--precision", "fp8"], ["--device", "tpu"], ["--data", "imagenet"],
     ["--epochs", "0"], ["--epochs", "-3"], ["--batch-size", "0"], ["--max-steps", "0"],
     ["--lr", "0"], ["--lr", "-0.1"], ["--lr", "nan"], ["--lr", "abc"], ["--clip-grad-norm", "0"],
-    ["--no-such-flag"], ["--example", "memory", "--precision", "fp32"], ["--example", "memory", "--steps", "0"],
-    ["--example", "memory", "--model", "vgg"],
+    ["--no-such-flag"], ["--device", "cpu", "--example", "memory", "--precision", "fp32"],
+    ["--example", "memory", "--steps", "0"],
+    ["--device", "cpu", "--example", "memory", "--model", "vgg"],
 ])
 def test_bad_flags_exit_2_with_one_line(argv, capsys):
     run_bad(argv, capsys)
@@ -347,7 +349,8 @@ def test_cuda_without_a_gpu_exits_2(monkeypatch, capsys):
 def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert "--precision fp16" in run_bad(["--example", "linear", "--device", "cuda", "--precision", "bf16"], capsys)
+    argv = ["--example", "linear", "--device", "cuda", "--precision", "bf16"]
+    assert "--precision fp16" in run_bad(argv, capsys)
 
 
 def test_missing_cifar10_exits_2_and_says_what_to_do(tmp_path, monkeypatch, capsys):
@@ -355,7 +358,7 @@ def test_missing_cifar10_exits_2_and_says_what_to_do(tmp_path, monkeypatch, caps
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
     monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive", offline)
-    err = run_bad(["--example", "resnet", "--data-root", str(tmp_path / "data")], capsys)
+    err = run_bad(["--device", "cpu", "--example", "resnet", "--data-root", str(tmp_path / "data")], capsys)
     assert str(tmp_path / "data") in err and "cifar-10-python.tar.gz" in err and "--data synthetic" in err, err
 
 
@@ -390,7 +393,7 @@ def test_accumulation_counts_optimizer_steps_and_steps_on_a_short_last_group():
 
 
 def test_resnet_example_with_accumulation(capsys):
-    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2",
+    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2",
             "--batch-size", "2", "--accum-steps", "2"]
     assert amp_train.main(argv) == 0
     out = capsys.readouterr().out
@@ -399,8 +402,9 @@ def test_resnet_example_with_accumulation(capsys):
 
 # ---------------------------------------------------------------- checkpoints and resume
 
-RESNET_TINY = ["--example", "resnet", "--data", "synthetic", "--max-steps", "2", "--batch-size", "4"]
-LINEAR_FP16 = ["--example", "linear", "--precision", "fp16"]
+RESNET_TINY = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--max-steps", "2",
+               "--batch-size", "4"]
+LINEAR_FP16 = ["--device", "cpu", "--example", "linear", "--precision", "fp16"]
 
 
 def load(path):
@@ -493,7 +497,7 @@ def test_bad_checkpoints_exit_2_and_are_not_touched(make, argv, says, tmp_path, 
 
 
 def test_resume_needs_a_checkpoint_path(capsys):
-    assert "--resume needs --checkpoint" in run_bad(["--example", "linear", "--resume"], capsys)
+    assert "--resume needs --checkpoint" in run_bad(["--device", "cpu", "--example", "linear", "--resume"], capsys)
 
 
 @pytest.mark.parametrize("first,then,note", [
@@ -503,9 +507,9 @@ def test_resume_needs_a_checkpoint_path(capsys):
 ])
 def test_resume_in_another_precision(first, then, note, tmp_path, capsys):
     path = str(tmp_path / "run.pt")
-    assert amp_train.main(["--example", "linear", "--precision", first, "--epochs", "2", "--checkpoint", path]) == 0
-    argv = ["--example", "linear", "--precision", then, "--epochs", "4", "--checkpoint", path, "--resume"]
-    assert amp_train.main(argv) == 0
+    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", path]
+    assert amp_train.main(linear + ["--precision", first, "--epochs", "2"]) == 0
+    assert amp_train.main(linear + ["--precision", then, "--epochs", "4", "--resume"]) == 0
     out = capsys.readouterr().out
     assert note in out and "epoch 4/4" in out, out
     assert load(path)["precision"] == then
@@ -527,7 +531,8 @@ def scaler_that_always_overflows(device, amp_dtype):
 
 def test_nonfinite_loss_stops_bf16_and_fp32_and_keeps_the_last_checkpoint(tmp_path, capsys):
     path = tmp_path / "run.pt"
-    argv = ["--example", "linear", "--precision", "fp32", "--lr", "1e20", "--epochs", "5", "--checkpoint", str(path)]
+    argv = ["--device", "cpu", "--example", "linear", "--precision", "fp32", "--lr", "1e20", "--epochs", "5",
+            "--checkpoint", str(path)]
     assert amp_train.main(argv) == 1, "a diverged run must exit non-zero"
     captured = capsys.readouterr()
     assert "error: epoch 2: the mean training loss is inf under fp32" in captured.err, captured.err
@@ -537,7 +542,7 @@ def test_nonfinite_loss_stops_bf16_and_fp32_and_keeps_the_last_checkpoint(tmp_pa
 
 def test_a_run_whose_scaler_skips_everything_stops(monkeypatch, capsys):
     monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
-    assert amp_train.main(["--example", "linear", "--epochs", "100"]) == 1
+    assert amp_train.main(["--device", "cpu", "--example", "linear", "--epochs", "100"]) == 1
     captured = capsys.readouterr()
     assert "error: epoch 32: the GradScaler skipped all of the last 32 steps" in captured.err, captured.err
     assert re.search(r"^epoch +32/100", captured.out, re.M) and "33/100" not in captured.out, captured.out
@@ -545,7 +550,8 @@ def test_a_run_whose_scaler_skips_everything_stops(monkeypatch, capsys):
 
 def test_an_epoch_whose_steps_were_all_skipped_stops_resnet(monkeypatch, capsys):
     monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
-    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "3", "--max-steps", "33", "--batch-size", "2"]
+    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "3", "--max-steps", "33",
+            "--batch-size", "2"]
     assert amp_train.main(argv) == 1
     assert "error: epoch 1: the GradScaler skipped all of the last 33 steps" in capsys.readouterr().err
 
@@ -594,8 +600,9 @@ def run_two_processes(argv, out_dir):
 
 
 @pytest.mark.parametrize("argv", [
-    ["--example", "linear", "--epochs", "3", "--precision", "fp16"],
-    ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2", "--batch-size", "4"],
+    ["--device", "cpu", "--example", "linear", "--epochs", "3", "--precision", "fp16"],
+    ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2",
+     "--batch-size", "4"],
 ])
 def test_two_processes_train_in_step_and_only_rank_0_logs(argv, tmp_path):
     rank0, rank1 = run_two_processes(argv, tmp_path)
@@ -610,7 +617,7 @@ def test_two_processes_train_in_step_and_only_rank_0_logs(argv, tmp_path):
 
 def test_checkpoints_move_between_one_and_two_processes(tmp_path):
     path = str(tmp_path / "run.pt")
-    linear = ["--example", "linear", "--checkpoint", path]
+    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", path]
     assert amp_train.main(linear + ["--epochs", "1"]) == 0
     rank0, rank1 = run_two_processes(linear + ["--epochs", "2", "--resume"], tmp_path)
     assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
@@ -624,7 +631,8 @@ def test_checkpoints_move_between_one_and_two_processes(tmp_path):
 def test_an_error_under_two_processes_exits_2_and_leaves_the_group(tmp_path):
     path = tmp_path / "run.pt"
     write_foreign(path)
-    ranks = run_two_processes(["--example", "linear", "--checkpoint", str(path), "--resume"], tmp_path)
+    argv = ["--device", "cpu", "--example", "linear", "--checkpoint", str(path), "--resume"]
+    ranks = run_two_processes(argv, tmp_path)
     for rank in ranks:
         assert rank["code"] == 2 and "not written by amp_train.py" in rank["err"], rank
         assert rank["group_left"], "the process group must be destroyed on errors too"
@@ -632,7 +640,7 @@ def test_an_error_under_two_processes_exits_2_and_leaves_the_group(tmp_path):
 
 def test_torchrun_launches_the_linear_example(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(pathlib.Path(amp_train.__file__)), "--example", "linear", "--epochs", "2"]
+               str(pathlib.Path(amp_train.__file__)), "--device", "cpu", "--example", "linear", "--epochs", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("amp_train | example linear") == 1, done.stdout
