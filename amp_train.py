@@ -45,6 +45,15 @@ MEMORY_WARMUP_STEPS = 3
 # merely large, they are inf/NaN. (Fewer would stop short epochs while the scaler calibrates.)
 SKIPPED_IN_A_ROW_TO_STOP = 32
 CHECKPOINT_FORMAT = "amp_train checkpoint 1"
+# What a checkpoint must hold, with its type; load_checkpoint refuses anything else.
+CHECKPOINT_FIELDS = {"example": str, "precision": str, "args": dict, "epoch": int, "model": dict,
+                     "optimizer": dict, "scaler": dict, "rng": dict}
+# The flags that define a run. On --resume, those not given keep the checkpoint's values; those
+# given and different are applied with a note (--epochs silently), except --data, which is refused.
+RUN_FLAGS = ("precision", "epochs", "batch_size", "lr", "data", "max_steps", "clip_grad_norm",
+             "accum_steps", "seed")
+MAX_INT = 2**31 - 1                        # the largest count a flag accepts
+MAX_FLOAT = torch.finfo(torch.float32).max  # an lr or norm beyond this overflows the fp32 weights' update
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
@@ -415,11 +424,21 @@ def save_checkpoint(path, state):
     try:
         torch.save(state, tmp)
         os.replace(tmp, path)  # atomic when both names are on one file system
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise UsageError(f"could not write the checkpoint {path} ({e}); the last one is intact: "
-                         "free some space or pass another --checkpoint") from None
+        raise UsageError(f"could not write the checkpoint {path} ({str(e).splitlines()[0]}); the last one "
+                         "is intact: free some space, or pass another --checkpoint and --resume") from None
+
+
+def check_writable(path, flag):
+    """Refuses, before any training, a `flag` PATH that could not be written later."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a folder: pass a file path")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist or is not writable: "
+                         f"create it, or pass another {flag}")
 
 
 def load_checkpoint(path, example):
@@ -434,13 +453,41 @@ def load_checkpoint(path, example):
                          "pass another --checkpoint, or start again without --resume") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"{path} was not written by amp_train.py: pass one of its checkpoints to --resume")
+    for key, kind in CHECKPOINT_FIELDS.items():
+        if not isinstance(state.get(key), kind) or isinstance(state[key], bool):  # True is no epoch count
+            raise UsageError(f"{path} is damaged: its {key!r} is missing or not a {kind.__name__}: "
+                             "pass another --checkpoint, or start again without --resume")
+    if state["epoch"] < 0 or state["precision"] not in PRECISIONS:
+        raise UsageError(f"{path} is damaged: epoch {state['epoch']}, precision {state['precision']!r}: "
+                         "pass another --checkpoint, or start again without --resume")
     if state["example"] != example:
         raise UsageError(f"{path} is a checkpoint of the {state['example']} example, not {example}: "
                          f"pass --example {state['example']} or another --checkpoint")
     return state
 
 
-def restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype):
+def resume_args(args, given, state):
+    """Fills the RUN_FLAGS not given on the command line from the checkpoint's run, in place;
+    returns a note for each given flag that changes the run."""
+    saved = [f"--{key.replace('_', '-')}={state['args'][key]}" for key in RUN_FLAGS
+             if state["args"].get(key) is not None]
+    try:  # the checkpoint's values pass the same checks as the command line's
+        saved = parse_args(saved)[0]
+    except UsageError as e:
+        raise UsageError(f"{args.checkpoint} holds flags this program refuses ({e})") from None
+    notes = []
+    for key in RUN_FLAGS:
+        value, before = getattr(args, key), getattr(saved, key)
+        if key not in given:
+            setattr(args, key, before)
+        elif value != before and key == "data":
+            raise UsageError(f"{args.checkpoint} was trained on --data {before}: resume it on the same data")
+        elif value != before and key != "epochs":
+            notes.append(f"note: --{key.replace('_', '-')} {value} replaces the checkpoint's {before}")
+    return notes
+
+
+def restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype, lr):
     """Loads a checkpoint's states in place; returns (epochs done, notes for the user)."""
     notes = []
     try:
@@ -448,6 +495,12 @@ def restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_d
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
+        for group in optimizer.param_groups:  # a new --lr rescales the schedule, which goes on from here
+            group["lr"] *= lr / group.get("initial_lr", group["lr"])
+            if "initial_lr" in group:
+                group["initial_lr"] = lr
+        if scheduler is not None:
+            scheduler.base_lrs = [lr] * len(optimizer.param_groups)
         # The scaler's state matters only where a scaler runs: fp16 to bf16/fp32 drops it,
         # and a bf16/fp32 checkpoint gives fp16 a fresh scale.
         if scaler.is_enabled() and state["scaler"]:
@@ -488,31 +541,61 @@ def build_example(args, device, rank=0, world_size=1):
     return build_resnet18().to(device), nn.CrossEntropyLoss(), train, test
 
 
-def run_training(args, device, amp_dtype):
+def nonfinite_tensor(model):
+    """The name of a parameter or buffer of `model` holding inf/NaN, or None (one host sync)."""
+    tensors = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()
+    return next((name for name, ok in zip(tensors, finite) if not ok), None)
+
+
+def stop_reason(stats, train_loss, amp_dtype, skipped_in_a_row, bad_tensor):
+    """Why training cannot go on after this epoch, or None. Skipped fp16 steps are the
+    scaler doing its job, until it has skipped everything for a long while."""
+    if skipped_in_a_row >= max(stats.steps, SKIPPED_IN_A_ROW_TO_STOP):
+        return f"the GradScaler skipped all of the last {skipped_in_a_row} steps (inf/NaN gradients)"
+    if amp_dtype is not torch.float16 and not math.isfinite(train_loss):
+        return f"the mean training loss is {train_loss} under {precision_name(amp_dtype)}"
+    if bad_tensor:  # NaN weights, or BatchNorm statistics of an inf batch, stay NaN for good
+        return f"the model's {bad_tensor} holds inf/NaN"
+    return None
+
+
+def unsaved_reason(train_loss, test_loss):
+    """Why this epoch must not replace the last checkpoint, or None (test_loss None: no test set)."""
+    for name, value in (("training", train_loss), ("test", test_loss)):
+        if value is not None and not math.isfinite(value):
+            return f"its mean {name} loss is {value}"
+    return None
+
+
+def run_training(args, device, amp_dtype, state=None, notes=()):
     """The resnet and linear examples: train, evaluate, print one line per epoch, checkpoint.
 
-    Returns the exit status: 0, or 1 when training stopped on inf/NaN. Under torchrun the
-    model is wrapped in DistributedDataParallel; AMP needs nothing else. Only rank 0 prints
-    and saves.
+    `state` is a loaded checkpoint to resume from. Returns the exit status: 0, or 1 when
+    training stopped on inf/NaN. Under torchrun the model is wrapped in
+    DistributedDataParallel; AMP needs nothing else. Only rank 0 prints and saves.
     """
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     log = print if rank == 0 else (lambda *args, **kwargs: None)
     torch.manual_seed(args.seed)
     if args.example == "resnet":
         warn_if_cpu_fp16_convs(device, amp_dtype)
-    if args.checkpoint and not args.resume and os.path.exists(args.checkpoint):
-        raise UsageError(f"{args.checkpoint} already exists: add --resume to continue it, "
-                         "or pass another --checkpoint")
-    state = load_checkpoint(args.checkpoint, args.example) if args.resume else None
+    if args.checkpoint:
+        check_writable(args.checkpoint, "--checkpoint")
+        if state is None and os.path.exists(args.checkpoint):
+            raise UsageError(f"{args.checkpoint} already exists: add --resume to continue it, "
+                             "or pass another --checkpoint")
     model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
                  if args.example == "resnet" else None)
     scaler = make_scaler(device, amp_dtype)
-    start_epoch, notes = 0, []
+    start_epoch, notes = 0, list(notes)
     if state is not None:
-        start_epoch, notes = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype)
-        notes.append(f"resumed from {args.checkpoint} after epoch {start_epoch}")
+        start_epoch, more = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype,
+                                               args.lr)
+        notes += more + [f"resumed from {args.checkpoint} after epoch {start_epoch}"]
+    saved_epoch = start_epoch if state is not None else None  # the epoch the checkpoint holds
     # DDP averages the gradients across processes during backward. The GradScaler then sees
     # the same gradients on every process, so all of them skip the same steps. Checkpoints
     # hold the unwrapped `model`, so they resume with or without torchrun.
@@ -549,37 +632,38 @@ def run_training(args, device, amp_dtype):
                             max_steps=args.max_steps, log_every=log_every)
         # Per-process sums, added up over all processes (a no-op in one process).
         loss_sum, samples = all_reduce_sum([stats.loss * stats.samples, stats.samples], device)
-        train_loss = loss_sum / max(samples, 1)
+        train_loss, test_loss = loss_sum / max(samples, 1), None
         line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {train_loss:.4f}"
         if test_loader is not None:
             # The DistributedSampler pads the test set to a multiple of the process count.
             ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
             ev_loss, correct, ev_samples = all_reduce_sum(
                 [ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples], device)
-            line += f" | test loss {ev_loss / ev_samples:.4f} | test acc {100 * correct / ev_samples:5.2f}%"
+            test_loss = ev_loss / ev_samples
+            line += f" | test loss {test_loss:.4f} | test acc {100 * correct / ev_samples:5.2f}%"
         scale = "off" if stats.loss_scale is None else f"{stats.loss_scale:g}"
         log(f"{line} | lr {lr:.4g} | scale {scale} | skipped {stats.skipped_steps} | "
             f"{samples / max(stats.seconds, 1e-9):.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
 
-        # train_epoch reports inf/NaN; here the example decides. Skipped fp16 steps are the
-        # scaler doing its job, until it has skipped everything for a long while.
         all_skipped = stats.skipped_steps == stats.steps
         skipped_in_a_row = skipped_in_a_row + stats.steps if all_skipped else 0
-        problem = None
-        if skipped_in_a_row >= max(stats.steps, SKIPPED_IN_A_ROW_TO_STOP):
-            problem = f"the GradScaler skipped all of the last {skipped_in_a_row} steps (inf/NaN gradients)"
-        elif amp_dtype is not torch.float16 and not math.isfinite(train_loss):
-            problem = f"the mean training loss is {train_loss} under {precision_name(amp_dtype)}"
+        problem = stop_reason(stats, train_loss, amp_dtype, skipped_in_a_row, nonfinite_tensor(model))
+        unsaved = problem or unsaved_reason(train_loss, test_loss)
+        kept = (f"{args.checkpoint} holds epoch {saved_epoch}" if saved_epoch is not None
+                else f"nothing was saved to {args.checkpoint}")
         if problem:
-            kept = f"{args.checkpoint} still holds the last good epoch; " if args.checkpoint else ""
-            log(f"error: epoch {epoch + 1}: {problem}; {kept}try a lower --lr or --clip-grad-norm",
-                file=sys.stderr)
+            log(f"error: epoch {epoch + 1}: {problem}; {kept + '; ' if args.checkpoint else ''}"
+                "try a lower --lr or --clip-grad-norm (with --resume)", file=sys.stderr)
             return 1
         if scheduler is not None and not all_skipped:
             scheduler.step()  # once per epoch, and only after an epoch in which the optimizer stepped
-        if args.checkpoint and rank == 0:
-            save_checkpoint(args.checkpoint, checkpoint_state(
-                args, amp_dtype, epoch + 1, model, optimizer, scheduler, scaler, device))
+        if args.checkpoint and unsaved:
+            log(f"note: epoch {epoch + 1} is not saved, {unsaved}; {kept}", flush=True)
+        elif args.checkpoint:
+            if rank == 0:
+                save_checkpoint(args.checkpoint, checkpoint_state(
+                    args, amp_dtype, epoch + 1, model, optimizer, scheduler, scaler, device))
+            saved_epoch = epoch + 1
     return 0
 
 
@@ -656,9 +740,6 @@ def memory_report(r):
     return "\n".join(lines)
 
 
-EXAMPLES = {"resnet": run_training, "linear": run_training, "memory": run_memory}
-
-
 # ---------------------------------------------------------------- command line
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -666,22 +747,28 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
-def positive(kind):
+def number(kind, low, high):
+    """An argparse type: a `kind` above `low` (floats) or from `low` (ints), up to `high`."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0 or (kind is float and not math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not ((low < value) if kind is float else (low <= value)) or not value <= high:  # nan too
+            low_text, high_text = (f"above {low}", f"{high:g}") if kind is float else (f"at least {low}", high)
+            raise argparse.ArgumentTypeError(f"must be {low_text} and at most {high_text}, got {text}")
         return value
     parse.__name__ = kind.__name__
     return parse
 
 
+COUNT = number(int, 1, MAX_INT)
+POSITIVE = number(float, 0, MAX_FLOAT)
+
+
 def parse_args(argv):
     p = ArgumentParser(description="AMP training examples: the blog post's programs, fixed.")
-    p.add_argument("--example", choices=sorted(EXAMPLES), default="resnet",
+    p.add_argument("--example", choices=["linear", "memory", "resnet"], default="resnet",
                    help="resnet: ResNet18 on CIFAR-10; linear: Linear(10, 1) on one fixed batch; "
                         "memory: AMP vs fp32 memory and speed (default: %(default)s)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -689,23 +776,23 @@ def parse_args(argv):
     p.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
                    help="auto is fp16 (with a GradScaler) on CUDA and bf16 on the CPU; "
                         "fp32 turns AMP off (default: %(default)s)")
-    p.add_argument("--epochs", type=positive(int), default=DEFAULT_EPOCHS,
+    p.add_argument("--epochs", type=COUNT, default=DEFAULT_EPOCHS,
                    help="epochs; for linear, iterations over the fixed batch (default: %(default)s)")
-    p.add_argument("--batch-size", type=positive(int), default=DEFAULT_BATCH_SIZE,
+    p.add_argument("--batch-size", type=COUNT, default=DEFAULT_BATCH_SIZE,
                    help="samples per step (default: %(default)s)")
-    p.add_argument("--lr", type=positive(float), default=DEFAULT_LR,
+    p.add_argument("--lr", type=POSITIVE, default=DEFAULT_LR,
                    help="SGD learning rate (default: %(default)s)")
     p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10",
                    help="resnet data: real CIFAR-10, downloaded into --data-root when missing, "
                         "or a learnable offline stand-in (default: %(default)s)")
     p.add_argument("--data-root", default="./data",
                    help="folder that holds or receives CIFAR-10 (default: %(default)s)")
-    p.add_argument("--max-steps", type=positive(int), default=None,
+    p.add_argument("--max-steps", type=COUNT, default=None,
                    help="stop each epoch after this many optimizer steps and evaluate on as many "
                         "test batches, for short runs (default: whole epochs)")
-    p.add_argument("--clip-grad-norm", type=positive(float), default=None,
+    p.add_argument("--clip-grad-norm", type=POSITIVE, default=None,
                    help="clip gradients to this total norm, after unscaling (default: no clipping)")
-    p.add_argument("--accum-steps", type=positive(int), default=1,
+    p.add_argument("--accum-steps", type=COUNT, default=1,
                    help="accumulate gradients over this many micro-batches of --batch-size "
                         "per optimizer step (default: %(default)s)")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
@@ -714,30 +801,48 @@ def parse_args(argv):
                    help="continue from --checkpoint up to --epochs")
     p.add_argument("--model", choices=["resnet18", "linear"], default="resnet18",
                    help="memory only: the model to measure (default: %(default)s)")
-    p.add_argument("--steps", type=positive(int), default=MEMORY_STEPS,
+    p.add_argument("--steps", type=COUNT, default=MEMORY_STEPS,
                    help=f"memory only: timed steps per precision, after {MEMORY_WARMUP_STEPS} "
                         "warm-up steps (default: %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="memory only: print one JSON object instead of the table")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
                    help="seed for weights, data and shuffling (default: %(default)s)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # Which flags were given, not defaulted: parse again with every default None.
+    p.set_defaults(**{key: None for key in vars(args)})
+    given = {key for key, value in vars(p.parse_args(argv)).items() if value is not None}
+    return args, given
 
 
 def main(argv=None):
+    args = None
     try:
-        args = parse_args(argv)
+        args, given = parse_args(argv)
         if args.resume and not args.checkpoint:
             raise UsageError("--resume needs --checkpoint PATH: the checkpoint to continue from")
+        if args.example == "memory" and args.checkpoint:
+            raise UsageError("--checkpoint is for the resnet and linear examples, not memory")
+        state = load_checkpoint(args.checkpoint, args.example) if args.resume else None
+        notes = resume_args(args, given, state) if state else []
         device = resolve_device(args.device)
         amp_dtype = resolve_precision(args.precision, device)
         init_distributed(device)
-        status = EXAMPLES[args.example](args, device, amp_dtype)
+        if args.example == "memory":
+            status = run_memory(args, device, amp_dtype)
+        else:
+            status = run_training(args, device, amp_dtype, state, notes)
         if dist.is_initialized():
             dist.barrier()  # let every process finish its last collective before any leaves
         return status
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # CUDA's OutOfMemoryError is a RuntimeError, as is the CPU allocator's
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        print(f"error: out of memory at --batch-size {args.batch_size}: lower it "
+              "(--accum-steps K keeps the batch of an optimizer step)", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

@@ -171,6 +171,27 @@ def test_evaluate_counts_correct_predictions():
     assert not model.training, "evaluate must put the model in eval mode"
 
 
+def test_evaluate_runs_under_inference_mode():
+    seen = []
+    class Probe(nn.Linear):
+        def forward(self, x):
+            out = super().forward(x)
+            seen.append((torch.is_inference_mode_enabled(), out.requires_grad))
+            return out
+    amp_train.evaluate(Probe(3, 3), [(torch.randn(4, 3), torch.zeros(4, dtype=torch.long))],
+                       nn.CrossEntropyLoss(), CPU, None)
+    assert seen == [(True, False)], f"(inference mode on, output requires grad): {seen}"
+
+
+def test_evaluate_loss_is_the_per_sample_mean_over_unequal_batches():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(5, 4) * 3, torch.tensor([0, 1, 2, 3, 0])
+    batches = [(logits[:4], targets[:4]), (logits[4:], targets[4:])]  # sizes 4 and 1, different losses
+    result = amp_train.evaluate(nn.Identity(), batches, nn.CrossEntropyLoss(), CPU, None)
+    expected = nn.functional.cross_entropy(logits, targets).item()  # the mean over all 5 samples
+    assert result.loss == pytest.approx(expected, rel=1e-6), (result.loss, expected)
+
+
 # ---------------------------------------------------------------- measuring memory
 
 def small_conv_net():
@@ -272,6 +293,38 @@ def test_cifar10_loaders_read_the_real_format(tmp_path, monkeypatch):
     assert seen == sorted(v % 10 for v in range(10)), seen
 
 
+def training_targets_per_epoch(argv, monkeypatch):
+    """Runs an example and returns, per epoch, the targets its training steps saw, in order."""
+    seen = []
+    build_example = amp_train.build_example
+    def recording(*args, **kwargs):
+        model, criterion, train, test = build_example(*args, **kwargs)
+        def record(outputs, targets):
+            if torch.is_grad_enabled():  # training, not evaluation
+                seen[-1].append(targets.tolist())
+            return criterion(outputs, targets)
+        return model, record, train, test
+    train_epoch = amp_train.train_epoch
+    def per_epoch(*args, **kwargs):
+        seen.append([])
+        return train_epoch(*args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(amp_train, "build_example", recording)
+        patch.setattr(amp_train, "train_epoch", per_epoch)
+        assert amp_train.main(argv) == 0
+    return seen
+
+
+def test_the_resnet_example_shuffles_each_epoch_anew_and_reproducibly(monkeypatch):
+    argv = RESNET_TINY + ["--epochs", "2", "--max-steps", "3"]
+    first, again = (training_targets_per_epoch(argv, monkeypatch) for _ in range(2))
+    other_seed = training_targets_per_epoch(argv + ["--seed", "1"], monkeypatch)
+    assert len(first) == 2 and len(first[0]) == 3, first
+    assert first[0] != first[1], "epoch 2 saw the same order as epoch 1: set_epoch was not called"
+    assert first == again, "the same seed must give the same orders"
+    assert first != other_seed, "another seed must give other orders"
+
+
 def test_train_order_depends_on_seed_and_epoch_only():
     dataset = torch.utils.data.TensorDataset(torch.arange(32))
     def order(seed, epoch):
@@ -281,6 +334,49 @@ def test_train_order_depends_on_seed_and_epoch_only():
     assert order(0, 1) == order(0, 1), "same seed and epoch must give the same order"
     assert order(0, 1) != order(0, 2), "each epoch must be shuffled anew"
     assert order(0, 1) != order(1, 1), "the seed must change the order"
+
+
+# ---------------------------------------------------------------- no host sync per step
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def count_host_syncs(monkeypatch):
+    """Counts the Python-visible reads of a tensor's value (each waits for the device)."""
+    count = [0]
+    with monkeypatch.context() as patch:
+        for name in SYNC_METHODS:
+            def counting(self, *args, _original=getattr(torch.Tensor, name), **kwargs):
+                count[0] += 1
+                return _original(self, *args, **kwargs)
+            patch.setattr(torch.Tensor, name, counting)
+        yield count
+
+
+def syncs_in_an_epoch(monkeypatch, batches, amp_dtype, make_optimizer):
+    model = nn.Linear(10, 1)
+    optimizer = make_optimizer(model)
+    scaler = amp_train.make_scaler(CPU, amp_dtype)
+    x, y = amp_train.linear_batch(4)
+    with count_host_syncs(monkeypatch) as count:
+        amp_train.train_epoch(model, [(x, y)] * batches, optimizer, nn.MSELoss(), scaler, CPU, amp_dtype)
+    return count[0]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_train_epoch_makes_no_host_sync_per_step(precision, monkeypatch):
+    amp_dtype = amp_train.PRECISIONS[precision]
+    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=0.01)
+    one, ten = (syncs_in_an_epoch(monkeypatch, n, amp_dtype, sgd) for n in (1, 10))
+    assert one == ten, f"{one} host syncs in an epoch of 1 step, {ten} in one of 10"
+
+
+def test_the_sync_counter_sees_the_plain_optimizers_sync_under_fp16(monkeypatch):
+    # Proof that the counter works: scaler.step() with a plain optimizer reads found_inf every step.
+    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=0.01)
+    one, ten = (syncs_in_an_epoch(monkeypatch, n, torch.float16, sgd) for n in (1, 10))
+    assert ten > one, (one, ten)
 
 
 # ---------------------------------------------------------------- the command line
@@ -336,9 +432,33 @@ def run_bad(argv, capsys):
     ["--no-such-flag"], ["--device", "cpu", "--example", "memory", "--precision", "fp32"],
     ["--example", "memory", "--steps", "0"],
     ["--device", "cpu", "--example", "memory", "--model", "vgg"],
+    ["--seed", "18446744073709551616"], ["--seed", "-1"], ["--accum-steps", "1" + "0" * 30],
+    ["--lr", "1e300"], ["--lr", "inf"], ["--epochs", str(2**31)],
+    ["--example", "memory", "--checkpoint", "x.pt"],
 ])
 def test_bad_flags_exit_2_with_one_line(argv, capsys):
     run_bad(argv, capsys)
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 40000000000 bytes. Error code 12 (Cannot allocate memory)"),
+])
+def test_out_of_memory_exits_2_and_names_the_batch_size(error, monkeypatch, capsys):
+    def too_big(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(amp_train, "build_example", too_big)
+    err = run_bad(["--device", "cpu", "--example", "linear", "--batch-size", "1000000000"], capsys)
+    assert "out of memory at --batch-size 1000000000" in err, err
+
+
+def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(amp_train, "build_example", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        amp_train.main(["--device", "cpu", "--example", "linear"])
 
 
 def test_cuda_without_a_gpu_exits_2(monkeypatch, capsys):
@@ -426,12 +546,21 @@ def assert_same_state(a, b, where=""):
         assert a == b, f"{where}: {a} != {b}"
 
 
+def scaler_that_grows_every_step(device, amp_dtype):
+    # The scale doubles after every good step and halves on overflow: it moves from 2**16 at once.
+    return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16, growth_interval=1)
+
+
 @pytest.mark.parametrize("example,epochs,split", [(RESNET_TINY, 3, 2), (LINEAR_FP16, 6, 3)])
-def test_resume_gives_bit_identical_weights(example, epochs, split, tmp_path, capsys):
+def test_resume_gives_bit_identical_weights(example, epochs, split, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(amp_train, "make_scaler", scaler_that_grows_every_step)
     straight, resumed = str(tmp_path / "straight.pt"), str(tmp_path / "resumed.pt")
     assert amp_train.main(example + ["--epochs", str(epochs), "--checkpoint", straight]) == 0
     assert amp_train.main(example + ["--epochs", str(split), "--checkpoint", resumed]) == 0
     assert load(resumed)["epoch"] == split
+    if example is LINEAR_FP16:
+        scale = load(resumed)["scaler"]["scale"]
+        assert scale != 65536.0, "the scale must have moved, so that resuming without it would differ"
     assert amp_train.main(example + ["--epochs", str(epochs), "--checkpoint", resumed, "--resume"]) == 0
     assert f"resumed from {resumed} after epoch {split}" in capsys.readouterr().out
     a, b = load(straight), load(resumed)
@@ -450,14 +579,19 @@ def test_checkpoint_loads_with_weights_only_and_holds_what_resume_needs(tmp_path
     assert not (tmp_path / "run.pt.tmp").exists(), "the temporary file must be renamed into place"
 
 
-def test_a_failed_save_leaves_the_last_checkpoint_intact(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device"),
+    RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                 "data/0: file write failed"),  # what torch.save raised on a full tmpfs
+])
+def test_a_failed_save_leaves_the_last_checkpoint_intact(error, tmp_path, monkeypatch, capsys):
     path = tmp_path / "run.pt"
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
     before = path.read_bytes()
     def disk_full(obj, f):
         with open(f, "wb") as out:
             out.write(b"half a checkpoint")
-        raise OSError(28, "No space left on device")
+        raise error
     monkeypatch.setattr(amp_train.torch, "save", disk_full)
     err = run_bad(LINEAR_FP16 + ["--epochs", "3", "--checkpoint", str(path), "--resume"], capsys)
     assert "the last one is intact" in err, err
@@ -478,8 +612,43 @@ def other_example(path):
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
 
 
+def edited(**fields):
+    """Makes a real checkpoint, then sets (or, with None, removes) some of its fields."""
+    def make(path):
+        other_example(path)
+        state = load(path)
+        for key, value in fields.items():
+            state.pop(key) if value is None else state.__setitem__(key, value)
+        torch.save(state, path)
+    return make
+
+
+def only_the_format_key(path):
+    torch.save({"format": amp_train.CHECKPOINT_FORMAT}, path)
+
+
+class CreatesAFile:
+    """Unpickling this creates the file: what a malicious checkpoint could do."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (pathlib.Path(self.path),)
+
+
+def pickled_code(path):
+    torch.save({"format": amp_train.CHECKPOINT_FORMAT, "payload": CreatesAFile(f"{path}.pwned")}, path)
+
+
 @pytest.mark.parametrize("make,argv,says", [
     (None, RESNET_TINY + ["--epochs", "2", "--resume"], "no checkpoint at"),
+    (only_the_format_key, LINEAR_FP16 + ["--epochs", "2", "--resume"], "is damaged: its 'example' is missing"),
+    (edited(epoch=float("inf")), LINEAR_FP16 + ["--epochs", "2", "--resume"], "its 'epoch' is missing or not a"),
+    (edited(epoch=-5), LINEAR_FP16 + ["--epochs", "2", "--resume"], "is damaged: epoch -5"),
+    (edited(epoch=True), LINEAR_FP16 + ["--epochs", "2", "--resume"], "its 'epoch' is missing or not a"),
+    (edited(model=None), LINEAR_FP16 + ["--epochs", "2", "--resume"], "its 'model' is missing"),
+    (edited(args={"lr": -1.0}), LINEAR_FP16 + ["--epochs", "2", "--resume"], "holds flags this program refuses"),
+    (pickled_code, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not a readable checkpoint"),
     (truncate, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not a readable checkpoint"),
     (write_foreign, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not written by amp_train.py"),
     (other_example, RESNET_TINY + ["--epochs", "2", "--resume"], "checkpoint of the linear example"),
@@ -494,6 +663,15 @@ def test_bad_checkpoints_exit_2_and_are_not_touched(make, argv, says, tmp_path, 
     err = run_bad(argv + ["--checkpoint", str(path)], capsys)
     assert says in err, err
     assert (path.read_bytes() if path.exists() else None) == before, "the checkpoint file was changed"
+    assert not os.path.exists(f"{path}.pwned"), "loading the checkpoint ran pickled code"
+
+
+@pytest.mark.parametrize("where,says", [("no/such/dir/x.pt", "does not exist or is not writable"),
+                                         (".", "is a folder")])
+def test_an_unwritable_checkpoint_path_is_refused_before_training(where, says, tmp_path, capsys):
+    err = run_bad(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(tmp_path / where)], capsys)
+    assert says in err, err
+    assert "epoch 1/1" not in capsys.readouterr().out, "it trained before refusing"
 
 
 def test_resume_needs_a_checkpoint_path(capsys):
@@ -515,6 +693,56 @@ def test_resume_in_another_precision(first, then, note, tmp_path, capsys):
     assert load(path)["precision"] == then
 
 
+def epoch_lrs(out):
+    return {int(e): float(lr) for e, lr in re.findall(r"^epoch +(\d+)/\d+ .*\| lr ([\d.e+-]+) \|", out, re.M)}
+
+
+def test_a_new_lr_on_resume_is_applied_and_the_schedule_goes_on(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 1)  # StepLR(1, 0.1): the lr falls tenfold every epoch
+    path = str(tmp_path / "run.pt")
+    argv = RESNET_TINY + ["--max-steps", "1", "--checkpoint", path]
+    assert amp_train.main(argv + ["--epochs", "2"]) == 0
+    assert amp_train.main(argv + ["--epochs", "3", "--resume", "--lr", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --lr 0.5 replaces the checkpoint's 0.01" in out, out
+    lrs = epoch_lrs(out)
+    assert lrs[1] == pytest.approx(0.01) and lrs[2] == pytest.approx(0.001), lrs
+    assert lrs[3] == pytest.approx(0.5 * 0.1 ** 2), f"StepLR from 0.5 gives 0.005 at epoch 3, not {lrs[3]}"
+    assert load(path)["args"]["lr"] == 0.5, "the checkpoint must record the lr now in use"
+
+
+def test_flags_not_given_on_resume_keep_the_checkpoints_values(tmp_path, capsys):
+    path = str(tmp_path / "run.pt")
+    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", path]
+    assert amp_train.main(linear + ["--epochs", "3", "--lr", "0.05", "--batch-size", "16", "--precision", "fp32",
+                                    "--clip-grad-norm", "1"]) == 0
+    assert amp_train.main(linear + ["--epochs", "4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out, out
+    resumed = out[out.index("resumed from"):]
+    starts = [line for line in out.splitlines() if line.startswith("amp_train |")]
+    assert "precision fp32" in starts[1], starts
+    assert epoch_lrs(resumed) == {4: 0.05}, resumed
+    saved = load(path)["args"]
+    assert (saved["batch_size"], saved["clip_grad_norm"], saved["epochs"]) == (16, 1.0, 4), saved
+    assert amp_train.main(linear + ["--resume"]) == 0, "no --epochs: the checkpoint's 4, already done"
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_changed_flags_on_resume_are_noted_or_refused(tmp_path, capsys):
+    path = str(tmp_path / "run.pt")
+    assert amp_train.main(RESNET_TINY + ["--max-steps", "1", "--epochs", "1", "--checkpoint", path]) == 0
+    argv = RESNET_TINY + ["--max-steps", "1", "--epochs", "2", "--checkpoint", path, "--resume"]
+    assert amp_train.main(argv + ["--clip-grad-norm", "1", "--batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --clip-grad-norm 1.0 replaces the checkpoint's None" in out, out
+    assert "note: --batch-size 2 replaces the checkpoint's 4" in out, out
+    before = pathlib.Path(path).read_bytes()
+    err = run_bad(argv + ["--epochs", "3", "--data", "cifar10"], capsys)
+    assert "trained on --data synthetic" in err, err
+    assert pathlib.Path(path).read_bytes() == before
+
+
 def test_resume_when_already_done_does_nothing(tmp_path, capsys):
     path = str(tmp_path / "run.pt")
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--checkpoint", path]) == 0
@@ -529,15 +757,56 @@ def scaler_that_always_overflows(device, amp_dtype):
     return torch.amp.GradScaler(device.type, init_scale=float("inf"))
 
 
-def test_nonfinite_loss_stops_bf16_and_fp32_and_keeps_the_last_checkpoint(tmp_path, capsys):
+def assert_finite_checkpoint(path, epoch):
+    state = load(path)
+    assert state["epoch"] == epoch, f"the checkpoint holds epoch {state['epoch']}, not {epoch}"
+    for name, tensor in state["model"].items():
+        assert not tensor.is_floating_point() or torch.isfinite(tensor).all(), f"{name} holds inf/NaN"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_diverged_run_stops_and_keeps_the_last_finite_epoch(precision, tmp_path, capsys):
     path = tmp_path / "run.pt"
-    argv = ["--device", "cpu", "--example", "linear", "--precision", "fp32", "--lr", "1e20", "--epochs", "5",
+    argv = ["--device", "cpu", "--example", "linear", "--precision", precision, "--lr", "1e20", "--epochs", "5",
             "--checkpoint", str(path)]
     assert amp_train.main(argv) == 1, "a diverged run must exit non-zero"
+    err = capsys.readouterr().err
+    assert f"error: epoch 2: the mean training loss is inf under {precision}; {path} holds epoch 1" in err, err
+    assert "--lr" in err, err
+    assert_finite_checkpoint(path, 1)
+
+
+def test_epochs_with_a_nan_test_loss_are_not_saved(tmp_path, capsys):
+    # The issue's case: the test loss is NaN from epoch 1 on, while the training loss is still finite.
+    path = tmp_path / "d.pt"
+    argv = RESNET_TINY + ["--max-steps", "1", "--batch-size", "8", "--epochs", "5", "--lr", "1e6",
+                          "--precision", "fp32", "--checkpoint", str(path)]
+    assert amp_train.main(argv) == 1
     captured = capsys.readouterr()
-    assert "error: epoch 2: the mean training loss is inf under fp32" in captured.err, captured.err
-    assert "--lr" in captured.err and "still holds the last good epoch" in captured.err, captured.err
-    assert load(path)["epoch"] == 1, "the diverged epoch must not be saved"
+    assert f"note: epoch 1 is not saved, its mean test loss is nan; nothing was saved to {path}" in captured.out
+    assert f"; nothing was saved to {path}; try a lower --lr" in captured.err, captured.err
+    assert not path.exists(), "an epoch with a NaN test loss was saved"
+
+
+def test_fp16_stops_when_an_inf_batch_leaves_nan_in_batchnorm(monkeypatch, tmp_path, capsys):
+    # The scaler skips the inf batch's step, but its forward pass already put inf/NaN into
+    # BatchNorm's running statistics: that epoch must not be saved, and the run cannot go on.
+    calls = []
+    train_epoch = amp_train.train_epoch
+    def second_epoch_has_an_inf_batch(model, loader, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            images, labels = next(iter(loader))
+            loader = [(torch.full_like(images, float("inf")), labels)]
+        return train_epoch(model, loader, *args, **kwargs)
+    monkeypatch.setattr(amp_train, "train_epoch", second_epoch_has_an_inf_batch)
+    path = tmp_path / "run.pt"
+    argv = RESNET_TINY + ["--max-steps", "1", "--batch-size", "2", "--epochs", "3", "--precision", "fp16",
+                          "--checkpoint", str(path)]
+    assert amp_train.main(argv) == 1
+    err = capsys.readouterr().err
+    assert re.search(rf"error: epoch 2: the model's \S+ holds inf/NaN; {re.escape(str(path))} holds epoch 1", err), err
+    assert_finite_checkpoint(path, 1)
 
 
 def test_a_run_whose_scaler_skips_everything_stops(monkeypatch, capsys):
