@@ -84,7 +84,7 @@ def resolve_precision(name, device):
     """Returns the autocast dtype, or None for plain fp32. 'auto' is fp16 on CUDA, bf16 on the CPU."""
     if name == "auto":
         name = "fp16" if device.type == "cuda" else "bf16"
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError("this GPU does not support bfloat16: use --precision fp16 or --precision fp32")
     return PRECISIONS[name]
 
@@ -97,6 +97,13 @@ def make_scaler(device, amp_dtype):
     # Only float16 needs loss scaling: its narrow exponent flushes small gradients to zero.
     # bfloat16 has fp32's exponent range, so its scaler is a no-op pass-through.
     return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
+
+
+def make_optimizer(model, lr):
+    """The examples' optimizer: the post's SGD (no momentum), fused. One kernel makes the whole
+    update and takes the GradScaler's inf check on the device, so scaler.step() need not wait
+    for the GPU, as it does with a plain optimizer (found_inf.item())."""
+    return torch.optim.SGD(model.parameters(), lr=lr, fused=True)
 
 
 def amp_context(device, amp_dtype):
@@ -137,9 +144,10 @@ def synchronize(device):
 # ---------------------------------------------------------------- models
 
 def build_resnet18(num_classes=10):
-    """torchvision's ResNet18 with a 10-class head (the post's resnet18() had 1000 outputs)."""
+    """torchvision's ResNet18 with a 10-class head (the post's resnet18() had 1000 outputs), in
+    channels_last (NHWC): the layout tensor cores want, and faster on CPUs too."""
     import torchvision
-    return torchvision.models.resnet18(num_classes=num_classes)
+    return torchvision.models.resnet18(num_classes=num_classes).to(memory_format=torch.channels_last)
 
 
 def build_linear(in_features=10, out_features=1):
@@ -148,72 +156,109 @@ def build_linear(in_features=10, out_features=1):
 
 # ---------------------------------------------------------------- data
 
-class SyntheticCIFAR10(torch.utils.data.Dataset):
-    """CIFAR-10-shaped images that can be learned, for offline runs.
+class DeviceLoader:
+    """Batches of (inputs, targets) from tensors held on the device: no worker processes and
+    no copy from the host per batch, so a GPU never waits for its data.
 
-    Each class is a fixed smooth random pattern; an image is its class's pattern
-    plus noise. Seeded, and each item depends only on (seed, split, index), so
-    the data is the same with any number of loader workers.
+    Each of `world_size` processes takes its own shard. With `shuffle`, the order and the
+    randomness of `transform(inputs, generator)` depend on (seed, epoch) alone: call
+    set_epoch(epoch) before each epoch, and a resumed run sees the same batches.
     """
 
-    def __init__(self, size, seed=0, train=True):
-        g = torch.Generator().manual_seed(seed)
-        coarse = torch.randn(10, 3, 4, 4, generator=g)
-        self.patterns = F.interpolate(coarse, size=(32, 32), mode="bilinear", align_corners=False)
-        split = 0 if train else 1
-        g.manual_seed(seed * 2 + split + 1)
-        self.labels = torch.randint(0, 10, (size,), generator=g)
-        self.noise_seed = (seed * 2 + split) * 10_000_000
+    def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False,
+                 seed=0, rank=0, world_size=1):
+        self.inputs, self.targets = inputs.to(device), targets.to(device)
+        self.batch_size, self.transform, self.shuffle = batch_size, transform, shuffle
+        self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
 
     def __len__(self):
-        return len(self.labels)
+        n = len(self.targets)
+        shard = n // self.world_size if self.shuffle else len(range(self.rank, n, self.world_size))
+        return math.ceil(shard / self.batch_size)
 
-    def __getitem__(self, index):
-        g = torch.Generator().manual_seed(self.noise_seed + index)
-        label = self.labels[index]
-        image = 0.25 * self.patterns[label] + torch.randn(3, 32, 32, generator=g)
-        return image, label
+    def __iter__(self):
+        n, device = len(self.targets), self.targets.device
+        # The CPU generator keeps 32 bits of its seed; seeds of nearby runs and epochs stay apart.
+        generator = torch.Generator(device).manual_seed((self.seed * 1_000_003 + self.epoch) % 2**32)
+        if self.shuffle:  # the same permutation on every process, cut into equal shards
+            order = torch.randperm(n, generator=generator, device=device)
+            order = order[self.rank:n - n % self.world_size:self.world_size]
+        else:             # every sample once over all processes
+            order = torch.arange(self.rank, n, self.world_size, device=device)
+        for start in range(0, len(order), self.batch_size):
+            index = order[start:start + self.batch_size]
+            inputs = self.inputs[index]
+            yield (inputs if self.transform is None else self.transform(inputs, generator)), self.targets[index]
 
 
-def make_loader(dataset, batch_size, device, shuffle, seed=0, rank=0, world_size=1):
-    """A DataLoader whose order depends only on (seed, epoch): call loader.sampler.set_epoch(epoch).
+def random_crop_flip(images, generator):
+    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip for a batch at once: each
+    image becomes a random 32x32 window of itself zero-padded by 4, mirrored with probability 1/2."""
+    n, device = len(images), images.device
+    padded = F.pad(images, (4, 4, 4, 4))
+    dy, dx = torch.randint(0, 9, (2, n, 1), generator=generator, device=device)
+    mirror = torch.rand(n, 1, generator=generator, device=device) < 0.5
+    base = torch.arange(32, device=device)
+    rows = (dy + base)[:, None, :, None].expand(n, 3, 32, 40)
+    cols = (dx + torch.where(mirror, 31 - base, base))[:, None, None, :].expand(n, 3, 32, 32)
+    return padded.gather(2, rows).gather(3, cols)
 
-    The DistributedSampler also serves a single process (num_replicas=1), so one
-    mechanism gives a reproducible shuffle with or without torchrun.
+
+def cifar10_transform(device, augment):
+    """uint8 images -> float images normalized with CIFAR-10's mean and std (after a random
+    crop and flip if `augment`), channels_last: the layout tensor cores want for convolutions."""
+    mean = torch.tensor(CIFAR10_MEAN, device=device).view(3, 1, 1) * 255
+    std = torch.tensor(CIFAR10_STD, device=device).view(3, 1, 1) * 255
+
+    def transform(images, generator):
+        if augment:
+            images = random_crop_flip(images, generator)
+        return ((images.float() - mean) / std).contiguous(memory_format=torch.channels_last)
+    return transform
+
+
+def synthetic_cifar10(size, seed=0, train=True):
+    """CIFAR-10-shaped uint8 images (size x 3 x 32 x 32) and labels that can be learned, offline.
+
+    Each class is a fixed smooth random pattern; an image is its class's pattern plus noise.
+    Seeded; train and test are different draws.
     """
-    sampler = torch.utils.data.DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
-    workers = min(4, os.cpu_count() or 1) if device.type == "cuda" else 0
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler,
-        num_workers=workers, persistent_workers=workers > 0,
-        pin_memory=device.type == "cuda")  # pinned host memory makes non_blocking copies truly async
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(10, 3, 4, 4, generator=g)
+    patterns = F.interpolate(coarse, size=(32, 32), mode="bilinear", align_corners=False)
+    g.manual_seed(seed * 2 + (1 if train else 2))
+    labels = torch.randint(0, 10, (size,), generator=g)
+    images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=g)
+    return (images * 48 + 128).clamp(0, 255).to(torch.uint8), labels
 
 
-def cifar10_loaders(root, batch_size, device=torch.device("cpu"), seed=0, rank=0, world_size=1, download=True):
-    """(train, test) DataLoaders over torchvision's CIFAR10; downloads into `root` when missing."""
+def cifar10(root, train, download=True):
+    """CIFAR-10's uint8 images (N x 3 x 32 x 32) and labels from torchvision; downloads into `root` when missing."""
     import torchvision
-    import torchvision.transforms as T
-    normalize = T.Normalize(CIFAR10_MEAN, CIFAR10_STD)
-    train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(), normalize])
-    test_tf = T.Compose([T.ToTensor(), normalize])
     try:
-        train = torchvision.datasets.CIFAR10(root, train=True, download=download, transform=train_tf)
-        test = torchvision.datasets.CIFAR10(root, train=False, download=download, transform=test_tf)
+        data = torchvision.datasets.CIFAR10(root, train=train, download=download)
     except (OSError, RuntimeError) as e:  # URLError is an OSError; a corrupt folder is a RuntimeError
         raise UsageError(
             f"CIFAR-10 is not in {os.path.abspath(root)} and could not be downloaded ({e}): "
             f"put cifar-10-python.tar.gz in that folder, or run with --data synthetic") from None
-    return (make_loader(train, batch_size, device, True, seed, rank, world_size),
-            make_loader(test, batch_size, device, False, seed, rank, world_size))
+    return torch.from_numpy(data.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(data.targets)
 
 
-def synthetic_loaders(batch_size, device=torch.device("cpu"), seed=0, rank=0, world_size=1):
-    """(train, test) DataLoaders over SyntheticCIFAR10."""
-    train = SyntheticCIFAR10(SYNTHETIC_TRAIN_SIZE, seed, train=True)
-    test = SyntheticCIFAR10(SYNTHETIC_TEST_SIZE, seed, train=False)
-    return (make_loader(train, batch_size, device, True, seed, rank, world_size),
-            make_loader(test, batch_size, device, False, seed, rank, world_size))
+def image_loaders(data, root, batch_size, device, seed=0, rank=0, world_size=1):
+    """(train, test) DeviceLoaders over CIFAR-10 in `root` or, for data="synthetic", its stand-in.
+    Training images are randomly cropped and flipped on the device, per batch."""
+    if data == "synthetic":
+        train, test = (synthetic_cifar10(size, seed, split) for size, split in
+                       ((SYNTHETIC_TRAIN_SIZE, True), (SYNTHETIC_TEST_SIZE, False)))
+    else:
+        train, test = cifar10(root, train=True), cifar10(root, train=False)
+    return (DeviceLoader(*train, batch_size, device, cifar10_transform(device, augment=True), shuffle=True,
+                         seed=seed, rank=rank, world_size=world_size),
+            DeviceLoader(*test, batch_size, device, cifar10_transform(device, augment=False),
+                         rank=rank, world_size=world_size))
 
 
 def linear_batch(batch_size=DEFAULT_BATCH_SIZE, seed=0):
@@ -249,64 +294,61 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
     Works for any model, any iterable of (inputs, targets) and any loss.
     amp_dtype=None is plain fp32. With accum_steps=K, gradients of K
     micro-batches add up before each optimizer step; `max_steps` and the step
-    counts count optimizer steps. The only host syncs are the scaler's own (in
-    scaler.step, when enabled), one at the end, and one every `log_every` steps
-    when a progress line was asked for.
+    counts count optimizer steps. The host syncs are one at the end, one every
+    `log_every` steps when a progress line was asked for, and, with fp16 and a
+    plain (not fused) optimizer, the scaler's own in every scaler.step().
     """
     model.train()
-    # Count optimizer.step() calls that really ran: scaler.step() skips them on
-    # inf/NaN gradients. A hook needs no sync and works for any optimizer.
-    taken = [0]
-    hook = optimizer.register_step_post_hook(lambda *_: taken.__setitem__(0, taken[0] + 1))
 
     def optimizer_step():
+        nonlocal skipped
         if clip_grad_norm is not None:
             scaler.unscale_(optimizer)         # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         scaler.step(optimizer)                 # unscales (unless done) and skips the step on inf/NaN
+        if scaler.is_enabled():                # count the skip on the device: no sync, and right for
+            skipped = skipped + sum(scaler._found_inf_per_device(optimizer).values())  # fused optimizers too
         scaler.update()                        # halves the scale after a skip, grows it after a good run
         optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros
 
     loss_sum = torch.zeros((), device=device)  # summed on the device: no .item() per step
     nonfinite = torch.zeros((), dtype=torch.long, device=device)
+    skipped = torch.zeros((), device=device)
     steps = samples = pending = 0              # pending: micro-batches since the last optimizer step
     start = time.perf_counter()
-    try:
-        for inputs, targets in loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            with amp_context(device, amp_dtype):  # autocast covers forward and loss only
-                loss = criterion(model(inputs), targets)
-            # Backward outside autocast, on the scaled loss so fp16 gradients don't underflow;
-            # divided by K so that K accumulated micro-batches give the mean gradient.
-            scaler.scale(loss / accum_steps).backward()
-            loss = loss.detach().float()
-            loss_sum += loss * len(targets)
-            nonfinite += ~torch.isfinite(loss)
-            samples += len(targets)
-            pending += 1
-            if pending < accum_steps:
-                continue
-            optimizer_step()
-            steps += 1
-            pending = 0
-            if log_every and steps % log_every == 0:  # a host sync, once every log_every steps
-                elapsed = time.perf_counter() - start
-                print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
-                      f"{samples / elapsed:.0f} samples/s", flush=True)
-            if steps == max_steps:
-                break
-        if pending:  # a shorter last group: step on it rather than drop its gradients
-            optimizer_step()
-            steps += 1
-    finally:
-        hook.remove()
+    for inputs, targets in loader:
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with amp_context(device, amp_dtype):  # autocast covers forward and loss only
+            loss = criterion(model(inputs), targets)
+        # Backward outside autocast, on the scaled loss so fp16 gradients don't underflow;
+        # divided by K so that K accumulated micro-batches give the mean gradient.
+        scaler.scale(loss / accum_steps).backward()
+        loss = loss.detach().float()
+        loss_sum += loss * len(targets)
+        nonfinite += ~torch.isfinite(loss)
+        samples += len(targets)
+        pending += 1
+        if pending < accum_steps:
+            continue
+        optimizer_step()
+        steps += 1
+        pending = 0
+        if log_every and steps % log_every == 0:  # a host sync, once every log_every steps
+            elapsed = time.perf_counter() - start
+            print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
+                  f"{samples / elapsed:.0f} samples/s", flush=True)
+        if steps == max_steps:
+            break
+    if pending:  # a shorter last group: step on it rather than drop its gradients
+        optimizer_step()
+        steps += 1
     synchronize(device)
     seconds = time.perf_counter() - start
     return EpochStats(
         loss=loss_sum.item() / max(samples, 1),
         steps=steps,
-        skipped_steps=steps - taken[0],
+        skipped_steps=int(skipped.item()),
         nonfinite_losses=int(nonfinite.item()),
         samples=samples,
         seconds=seconds,
@@ -380,7 +422,7 @@ def measure_training(build_model, batch, criterion, device, amp_dtype,
     """
     torch.manual_seed(seed)
     model = build_model().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = make_optimizer(model, lr)
     scaler = make_scaler(device, amp_dtype)
 
     def step():  # train_epoch synchronizes before it reads the clock
@@ -397,6 +439,8 @@ def measure_training(build_model, batch, criterion, device, amp_dtype,
         "activation_bytes": saved["activation_bytes"],
         "weight_copy_bytes": saved["weight_copy_bytes"],
         "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        # Reserved memory is what the caching allocator holds, and what runs out.
+        "reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
         "step_seconds": statistics.median(s.seconds for s in timed),
         "final_loss": timed[-1].loss,
     }
@@ -531,13 +575,9 @@ def build_example(args, device, rank=0, world_size=1):
         # One fixed batch, as in the post: each "epoch" is one iteration over it.
         # Under torchrun each process gets a batch of its own.
         x, y = linear_batch(args.batch_size * world_size, args.seed)
-        dataset = torch.utils.data.TensorDataset(x, y)
-        loader = make_loader(dataset, args.batch_size, device, False, args.seed, rank, world_size)
+        loader = DeviceLoader(x, y, args.batch_size, device, rank=rank, world_size=world_size)
         return build_linear().to(device), nn.MSELoss(), loader, None
-    if args.data == "synthetic":
-        train, test = synthetic_loaders(args.batch_size, device, args.seed, rank, world_size)
-    else:
-        train, test = cifar10_loaders(args.data_root, args.batch_size, device, args.seed, rank, world_size)
+    train, test = image_loaders(args.data, args.data_root, args.batch_size, device, args.seed, rank, world_size)
     return build_resnet18().to(device), nn.CrossEntropyLoss(), train, test
 
 
@@ -586,7 +626,7 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
             raise UsageError(f"{args.checkpoint} already exists: add --resume to continue it, "
                              "or pass another --checkpoint")
     model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(model, args.lr)
     scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
                  if args.example == "resnet" else None)
     scaler = make_scaler(device, amp_dtype)
@@ -625,7 +665,7 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
     unit = "samples" if args.example == "linear" else "img"
     skipped_in_a_row = 0
     for epoch in range(start_epoch, args.epochs):
-        train_loader.sampler.set_epoch(epoch)  # the shuffle depends on (seed, epoch) alone
+        train_loader.set_epoch(epoch)  # the order and augmentation depend on (seed, epoch) alone
         lr = optimizer.param_groups[0]["lr"]
         stats = train_epoch(trained, train_loader, optimizer, criterion, scaler, device, amp_dtype,
                             clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps,
@@ -635,7 +675,6 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
         train_loss, test_loss = loss_sum / max(samples, 1), None
         line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {train_loss:.4f}"
         if test_loader is not None:
-            # The DistributedSampler pads the test set to a multiple of the process count.
             ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
             ev_loss, correct, ev_samples = all_reduce_sum(
                 [ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples], device)
@@ -668,20 +707,33 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
 
 
 def memory_setup(model_name, batch_size, device, seed):
-    """(model builder, criterion, fixed batch on the device) for the memory example."""
+    """(model builder, criterion, training loader) for the memory example: the linear example's
+    fixed batch, or the synthetic stand-in through the resnet example's training pipeline."""
     if model_name == "linear":
-        batch = linear_batch(batch_size, seed)
-        return build_linear, nn.MSELoss(), tuple(t.to(device) for t in batch)
-    dataset = SyntheticCIFAR10(batch_size, seed)
-    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size)))
-    return build_resnet18, nn.CrossEntropyLoss(), tuple(t.to(device) for t in batch)
+        return build_linear, nn.MSELoss(), DeviceLoader(*linear_batch(batch_size, seed), batch_size, device)
+    loader = DeviceLoader(*synthetic_cifar10(SYNTHETIC_TRAIN_SIZE, seed), batch_size, device,
+                          cifar10_transform(device, augment=True), shuffle=True, seed=seed)
+    return build_resnet18, nn.CrossEntropyLoss(), loader
+
+
+def measure_loader(loader, device):
+    """Samples per second that `loader` delivers over one epoch, after one warm-up batch."""
+    next(iter(loader))
+    synchronize(device)
+    start = time.perf_counter()
+    samples = sum(len(targets) for _, targets in loader)
+    synchronize(device)
+    return samples / (time.perf_counter() - start)
 
 
 def tf32_state(device):
     """Whether fp32 convolutions and matmuls may use TF32 tensor cores (None off CUDA)."""
     if device.type != "cuda":
         return None
-    return {"cudnn_conv": torch.backends.cudnn.allow_tf32, "matmul": torch.backends.cuda.matmul.allow_tf32}
+    conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul
+    if hasattr(conv, "fp32_precision"):  # torch >= 2.9, where reading the legacy flags can raise
+        return {"cudnn_conv": conv.fp32_precision == "tf32", "matmul": matmul.fp32_precision == "tf32"}
+    return {"cudnn_conv": torch.backends.cudnn.allow_tf32, "matmul": matmul.allow_tf32}
 
 
 def run_memory(args, device, amp_dtype):
@@ -692,7 +744,8 @@ def run_memory(args, device, amp_dtype):
         raise UsageError("--example memory compares fp32 with AMP: use --precision fp16, bf16 or auto")
     if args.model == "resnet18":
         warn_if_cpu_fp16_convs(device, amp_dtype)
-    build_model, criterion, batch = memory_setup(args.model, args.batch_size, device, args.seed)
+    build_model, criterion, loader = memory_setup(args.model, args.batch_size, device, args.seed)
+    batch = next(iter(loader))
     runs = {name: measure_training(build_model, batch, criterion, device, dtype, args.steps,
                                    seed=args.seed, lr=args.lr)
             for name, dtype in (("fp32", None), ("amp", amp_dtype))}
@@ -702,7 +755,7 @@ def run_memory(args, device, amp_dtype):
     result = {"device": str(device), "model": args.model, "batch_size": args.batch_size,
               "precision": precision_name(amp_dtype), "steps": args.steps,
               "warmup_steps": MEMORY_WARMUP_STEPS, "torch": torch.__version__, "tf32": tf32_state(device),
-              **runs}
+              "loader_samples_per_second": measure_loader(loader, device), **runs}
     print(json.dumps(result, indent=2) if args.json else memory_report(result), flush=True)
     return 0
 
@@ -712,7 +765,7 @@ def memory_report(r):
     amp, fp32, ratio, name = r["amp"], r["fp32"], r["ratio"], r["precision"]
     mib = lambda n: "n/a" if n is None else f"{n / 2**20:.2f} MiB"
     rows = [("activation memory", "activation_bytes", mib), ("weight copies", "weight_copy_bytes", mib),
-            ("peak device memory", "peak_bytes", mib),
+            ("peak device memory", "peak_bytes", mib), ("peak reserved memory", "reserved_bytes", mib),
             ("median step time", "step_seconds", lambda t: f"{1000 * t:.2f} ms"),
             ("final loss", "final_loss", lambda x: f"{x:.4f}")]
     tf32 = "n/a" if r["tf32"] is None else ("on" if r["tf32"]["cudnn_conv"] else "off") + " for fp32 convs"
@@ -722,6 +775,8 @@ def memory_report(r):
     for label, key, fmt in rows:
         x = ratio[key]
         lines.append(f"{label:<20}{fmt(fp32[key]):>14}{fmt(amp[key]):>14}{'n/a' if x is None else f'{x:.2f}':>12}")
+    loader = f"{r['loader_samples_per_second']:.0f}"
+    lines.append(f"{'loader samples/s':<20}{loader:>14}{loader:>14}{'n/a':>12}")
     if fp32["activation_bytes"] < 2**20:
         lines.append(f"The activations here are {fp32['activation_bytes']} bytes in fp32 and "
                      f"{amp['activation_bytes']} in {name}: a model this small has nothing to save. "
@@ -737,6 +792,10 @@ def memory_report(r):
         lines.append(f"A step took {ratio['step_seconds']:.2f}x the time of fp32"
                      + (f" (a CPU has no tensor cores: {name} saves memory here, not time)."
                         if r["device"] == "cpu" and ratio["step_seconds"] > 1 else "."))
+    trained = r["batch_size"] / amp["step_seconds"]
+    limit = "the loader" if r["loader_samples_per_second"] < trained else f"the {name} step, not the loader,"
+    lines.append(f"The training data pipeline delivers {r['loader_samples_per_second']:.0f} samples/s and the "
+                 f"{name} step trains {trained:.0f} samples/s: {limit} limits throughput.")
     return "\n".join(lines)
 
 
@@ -826,6 +885,8 @@ def main(argv=None):
         state = load_checkpoint(args.checkpoint, args.example) if args.resume else None
         notes = resume_args(args, given, state) if state else []
         device = resolve_device(args.device)
+        # The shapes repeat every step: let cuDNN time its convolution algorithms once and keep the fastest.
+        torch.backends.cudnn.benchmark = device.type == "cuda"
         amp_dtype = resolve_precision(args.precision, device)
         init_distributed(device)
         if args.example == "memory":
