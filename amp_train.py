@@ -16,6 +16,7 @@ bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
 """
 import argparse
 import contextlib
+import datetime
 import gc
 import json
 import math
@@ -45,6 +46,9 @@ MEMORY_WARMUP_STEPS = 3
 # merely large, they are inf/NaN. (Fewer would stop short epochs while the scaler calibrates.)
 SKIPPED_IN_A_ROW_TO_STOP = 32
 CHECKPOINT_FORMAT = "amp_train checkpoint 1"
+# How long a process waits for its peers under torchrun (NCCL's default; long enough for one
+# process per machine to download CIFAR-10 while the others wait) before it fails.
+DIST_TIMEOUT = datetime.timedelta(minutes=10)
 # What a checkpoint must hold, with its type; load_checkpoint refuses anything else.
 CHECKPOINT_FIELDS = {"example": str, "precision": str, "args": dict, "epoch": int, "model": dict,
                      "optimizer": dict, "scaler": dict, "rng": dict}
@@ -66,17 +70,18 @@ class UsageError(Exception):
 # ---------------------------------------------------------------- device and precision
 
 def resolve_device(name):
-    """'auto' is cuda when a GPU is visible, else cpu. Under torchrun, GPU number LOCAL_RANK."""
+    """'auto' is cuda when a GPU is visible, else cpu. Under torchrun, GPU number LOCAL_RANK, or
+    the only GPU visible when the launcher gives each process its own."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu or --device auto")
     if name == "cuda" and "LOCAL_RANK" in os.environ:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        if local_rank >= torch.cuda.device_count():
+        count, local_rank = torch.cuda.device_count(), int(os.environ["LOCAL_RANK"])
+        if count > 1 and local_rank >= count:
             raise UsageError(f"process {local_rank} has no GPU of its own: start at most "
-                             f"--nproc_per_node={torch.cuda.device_count()} processes on this machine")
-        return torch.device("cuda", local_rank)
+                             f"--nproc_per_node={count} processes on this machine")
+        return torch.device("cuda", local_rank if count > 1 else 0)
     return torch.device(name)
 
 
@@ -123,7 +128,10 @@ def init_distributed(device):
     if "WORLD_SIZE" in os.environ:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # A bounded wait: a process whose peer died raises within DIST_TIMEOUT instead of hanging.
+        # device_id binds NCCL to this process's GPU at once (and silences its warning at barriers).
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=DIST_TIMEOUT,
+                                device_id=device if device.type == "cuda" else None)
 
 
 def all_reduce_sum(values, device):
@@ -247,6 +255,23 @@ def cifar10(root, train, download=True):
     return torch.from_numpy(data.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(data.targets)
 
 
+def cifar10_once_per_machine(root):
+    """(train, test) CIFAR-10 tensors. Under torchrun only local rank 0 of each machine may
+    download (processes downloading into one folder at once overwrite each other's archive);
+    the others wait at a barrier, then read its files."""
+    first, data, error = int(os.environ.get("LOCAL_RANK", "0")) == 0, None, None
+    if first:
+        try:
+            data = cifar10(root, train=True), cifar10(root, train=False)
+        except UsageError as e:
+            error = e  # raised after the barrier, so that no process waits for this one in vain
+    if dist.is_initialized():
+        dist.barrier()
+    if error:
+        raise error
+    return data or (cifar10(root, train=True, download=False), cifar10(root, train=False, download=False))
+
+
 def image_loaders(data, root, batch_size, device, seed=0, rank=0, world_size=1):
     """(train, test) DeviceLoaders over CIFAR-10 in `root` or, for data="synthetic", its stand-in.
     Training images are randomly cropped and flipped on the device, per batch."""
@@ -254,7 +279,7 @@ def image_loaders(data, root, batch_size, device, seed=0, rank=0, world_size=1):
         train, test = (synthetic_cifar10(size, seed, split) for size, split in
                        ((SYNTHETIC_TRAIN_SIZE, True), (SYNTHETIC_TEST_SIZE, False)))
     else:
-        train, test = cifar10(root, train=True), cifar10(root, train=False)
+        train, test = cifar10_once_per_machine(root)
     return (DeviceLoader(*train, batch_size, device, cifar10_transform(device, augment=True), shuffle=True,
                          seed=seed, rank=rank, world_size=world_size),
             DeviceLoader(*test, batch_size, device, cifar10_transform(device, augment=False),
@@ -291,10 +316,10 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
                 clip_grad_norm=None, accum_steps=1, max_steps=None, log_every=0):
     """One pass over `loader` with AMP; returns EpochStats.
 
-    Works for any model, any iterable of (inputs, targets) and any loss.
+    Works for any model, any sized iterable of (inputs, targets) and any loss.
     amp_dtype=None is plain fp32. With accum_steps=K, gradients of K
-    micro-batches add up before each optimizer step; `max_steps` and the step
-    counts count optimizer steps. The host syncs are one at the end, one every
+    micro-batches add up before each optimizer step (under DDP, all-reduced
+    once per step); `max_steps` and the step counts count optimizer steps. The host syncs are one at the end, one every
     `log_every` steps when a progress line was asked for, and, with fp16 and a
     plain (not fused) optimizer, the scaler's own in every scaler.step().
     """
@@ -316,14 +341,18 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
     skipped = torch.zeros((), device=device)
     steps = samples = pending = 0              # pending: micro-batches since the last optimizer step
     start = time.perf_counter()
-    for inputs, targets in loader:
+    for index, (inputs, targets) in enumerate(loader, 1):
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        with amp_context(device, amp_dtype):  # autocast covers forward and loss only
-            loss = criterion(model(inputs), targets)
-        # Backward outside autocast, on the scaled loss so fp16 gradients don't underflow;
-        # divided by K so that K accumulated micro-batches give the mean gradient.
-        scaler.scale(loss / accum_steps).backward()
+        # DDP all-reduces the gradients in every backward: skip that (no_sync, around forward
+        # and backward) for all but the last micro-batch before an optimizer step.
+        last = pending + 1 == accum_steps or index == len(loader)
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with amp_context(device, amp_dtype):  # autocast covers forward and loss only
+                loss = criterion(model(inputs), targets)
+            # Backward outside autocast, on the scaled loss so fp16 gradients don't underflow;
+            # divided by K so that K accumulated micro-batches give the mean gradient.
+            scaler.scale(loss / accum_steps).backward()
         loss = loss.detach().float()
         loss_sum += loss * len(targets)
         nonfinite += ~torch.isfinite(loss)
@@ -336,8 +365,9 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
         pending = 0
         if log_every and steps % log_every == 0:  # a host sync, once every log_every steps
             elapsed = time.perf_counter() - start
+            where = f" | rank {dist.get_rank()} alone" if dist.is_initialized() else ""
             print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
-                  f"{samples / elapsed:.0f} samples/s", flush=True)
+                  f"{samples / elapsed:.0f} samples/s{where}", flush=True)
         if steps == max_steps:
             break
     if pending:  # a shorter last group: step on it rather than drop its gradients
@@ -458,6 +488,7 @@ def checkpoint_state(args, amp_dtype, epochs_done, model, optimizer, scheduler, 
         "scaler": scaler.state_dict(),  # the loss scale and growth tracker; {} when the scaler is off
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
+        "torchrun_job": os.environ.get("TORCHELASTIC_RUN_ID"),  # see restarted_by_torchrun
     }
 
 
@@ -475,11 +506,14 @@ def save_checkpoint(path, state):
                          "is intact: free some space, or pass another --checkpoint and --resume") from None
 
 
-def check_writable(path, flag):
-    """Refuses, before any training, a `flag` PATH that could not be written later."""
+def check_new_file(path, flag, resuming):
+    """Refuses, before any training, a `flag` PATH that could not be written later, or that
+    exists although the run does not resume (nothing already saved is overwritten)."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path} is a folder: pass a file path")
+    if os.path.exists(path) and not resuming:
+        raise UsageError(f"{path} already exists: add --resume to continue its run, or pass another {flag}")
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist or is not writable: "
                          f"create it, or pass another {flag}")
@@ -508,6 +542,18 @@ def load_checkpoint(path, example):
         raise UsageError(f"{path} is a checkpoint of the {state['example']} example, not {example}: "
                          f"pass --example {state['example']} or another --checkpoint")
     return state
+
+
+def restarted_by_torchrun(path):
+    """True when torchrun restarted this worker (after another one died, with --max-restarts)
+    and this same torchrun job (its --rdzv-id) wrote the checkpoint at `path`: the run then
+    continues from it, as with --resume. A first launch never resumes by itself."""
+    if not path or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or not os.path.isfile(path):
+        return False
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)["torchrun_job"] == os.environ["TORCHELASTIC_RUN_ID"]
+    except Exception:  # not readable, or not ours: not this job's
+        return False
 
 
 def resume_args(args, given, state):
@@ -620,11 +666,6 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
     torch.manual_seed(args.seed)
     if args.example == "resnet":
         warn_if_cpu_fp16_convs(device, amp_dtype)
-    if args.checkpoint:
-        check_writable(args.checkpoint, "--checkpoint")
-        if state is None and os.path.exists(args.checkpoint):
-            raise UsageError(f"{args.checkpoint} already exists: add --resume to continue it, "
-                             "or pass another --checkpoint")
     model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
     optimizer = make_optimizer(model, args.lr)
     scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
@@ -674,6 +715,10 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
         loss_sum, samples = all_reduce_sum([stats.loss * stats.samples, stats.samples], device)
         train_loss, test_loss = loss_sum / max(samples, 1), None
         line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {train_loss:.4f}"
+        for buffer in model.buffers() if world_size > 1 else []:
+            # Each process updated BatchNorm's running statistics from its own batches: all
+            # take rank 0's, so that every process evaluates (and checks) the model it saves.
+            dist.broadcast(buffer, src=0)
         if test_loader is not None:
             ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
             ev_loss, correct, ev_samples = all_reduce_sum(
@@ -882,8 +927,11 @@ def main(argv=None):
             raise UsageError("--resume needs --checkpoint PATH: the checkpoint to continue from")
         if args.example == "memory" and args.checkpoint:
             raise UsageError("--checkpoint is for the resnet and linear examples, not memory")
-        state = load_checkpoint(args.checkpoint, args.example) if args.resume else None
+        resume = args.resume or restarted_by_torchrun(args.checkpoint)
+        state = load_checkpoint(args.checkpoint, args.example) if resume else None
         notes = resume_args(args, given, state) if state else []
+        if args.checkpoint:  # checked before any process group is joined or epoch trained
+            check_new_file(args.checkpoint, "--checkpoint", resuming=state is not None)
         device = resolve_device(args.device)
         # The shapes repeat every step: let cuDNN time its convolution algorithms once and keep the fastest.
         torch.backends.cudnn.benchmark = device.type == "cuda"

@@ -1,14 +1,17 @@
 """Tests for amp_train.py: CPU by default, CUDA cases run where a GPU is. Run: python -m pytest -q"""
 import contextlib
+import io
 import json
 import math
 import os
 import pathlib
 import pickle
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import warnings
 
@@ -946,32 +949,101 @@ def test_skipped_steps_do_not_step_the_lr_scheduler_early(monkeypatch, capsys):
 
 # ---------------------------------------------------------------- several processes (DDP, gloo on the CPU)
 
-def ddp_worker(rank, argv, out_dir, port):
-    """One process of a 2-process run, set up as torchrun would; saves its log, exit code and weights."""
+def ddp_worker(rank, argv, out_dir, port, setup):
+    """One process of a 2-process run, set up as torchrun would; saves its log, exit code, weights
+    and the buffers it evaluated with. `setup(out_dir)`, if given, runs first (to mock)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    built = {}
-    build_example = amp_train.build_example
+    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: 2 processes on 2 cores, same sums
+    if setup:
+        setup(out_dir)
+    built, evaluated = {}, []
+    build_example, evaluate = amp_train.build_example, amp_train.evaluate
     def recording(*args, **kwargs):
         built["parts"] = build_example(*args, **kwargs)
         return built["parts"]
-    amp_train.build_example = recording
+    def evaluate_recording(model, *args, **kwargs):
+        evaluated.append({k: v.clone() for k, v in model.state_dict().items() if "running" in k})
+        return evaluate(model, *args, **kwargs)
+    amp_train.build_example, amp_train.evaluate = recording, evaluate_recording
     with open(out_dir / f"rank{rank}.out", "w") as out, open(out_dir / f"rank{rank}.err", "w") as err, \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = amp_train.main(argv)
     parameters = dict(built["parts"][0].named_parameters()) if "parts" in built else {}
-    torch.save({"code": code, "group_left": not torch.distributed.is_initialized(),
+    torch.save({"code": code, "group_left": not torch.distributed.is_initialized(), "evaluated": evaluated,
                 "parameters": {k: v.detach() for k, v in parameters.items()}}, out_dir / f"rank{rank}.pt")
 
 
-def run_two_processes(argv, out_dir):
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(ddp_worker, args=(argv, out_dir, port), nprocs=2)
+        return s.getsockname()[1]
+
+
+def run_two_processes(argv, out_dir, setup=None):
+    torch.multiprocessing.spawn(ddp_worker, args=(argv, out_dir, free_port(), setup), nprocs=2)
     return [dict(torch.load(out_dir / f"rank{r}.pt", weights_only=True),
                  out=(out_dir / f"rank{r}.out").read_text(), err=(out_dir / f"rank{r}.err").read_text())
             for r in range(2)]
+
+
+def group_worker(rank, function, out_dir, port):
+    """Runs function(rank) in a 2-process gloo group; saves what it returns."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo")
+    try:
+        torch.save(function(rank), out_dir / f"result{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def in_two_processes(function, out_dir):
+    torch.multiprocessing.spawn(group_worker, args=(function, out_dir, free_port()), nprocs=2)
+    return [torch.load(out_dir / f"result{r}.pt", weights_only=True) for r in range(2)]
+
+
+def micro_batches(rank):
+    x, y = amp_train.linear_batch(24, seed=rank)
+    return list(zip(x.split(4), y.split(4)))  # 6 micro-batches: with K = 4, a group of 4 and a short one of 2
+
+
+def accumulate_under_ddp(rank):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    torch.manual_seed(0)
+    model = nn.Linear(10, 1)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    all_reduces = [0]
+    def counting(state, bucket):
+        all_reduces[0] += 1
+        return allreduce_hook(None, bucket)
+    ddp.register_comm_hook(None, counting)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        stats = amp_train.train_epoch(ddp, micro_batches(rank), optimizer, nn.MSELoss(),
+                                      amp_train.make_scaler(CPU, None), CPU, None, accum_steps=4, log_every=1)
+    return {"all_reduces": all_reduces[0], "steps": stats.steps, "log": out.getvalue(),
+            "weight": model.weight.detach(), "bias": model.bias.detach()}
+
+
+def test_accumulation_under_ddp_all_reduces_once_per_step(tmp_path):
+    ranks = in_two_processes(accumulate_under_ddp, tmp_path)
+    # The reference: one process, each step's micro-batches of both ranks accumulated (K = 8).
+    r0, r1 = micro_batches(0), micro_batches(1)
+    torch.manual_seed(0)
+    model = nn.Linear(10, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_train.train_epoch(model, r0[:4] + r1[:4] + r0[4:] + r1[4:], optimizer, nn.MSELoss(),
+                          amp_train.make_scaler(CPU, None), CPU, None, accum_steps=8)
+    for rank, result in enumerate(ranks):
+        assert result["steps"] == 2, result
+        assert result["all_reduces"] == 2, f"rank {rank}: {result['all_reduces']} all-reduces for 2 steps"
+        for key in ("weight", "bias"):
+            assert torch.allclose(result[key], getattr(model, key), atol=1e-6, rtol=0), \
+                (rank, key, result[key], getattr(model, key))
+        assert re.search(rf"^  step 1 \| loss [\d.]+ \| \d+ samples/s \| rank {rank} alone$", result["log"], re.M), \
+            result["log"]
 
 
 @pytest.mark.parametrize("argv", [
@@ -988,6 +1060,9 @@ def test_two_processes_train_in_step_and_only_rank_0_logs(argv, tmp_path):
     assert rank0["parameters"].keys() == rank1["parameters"].keys() and rank0["parameters"]
     for name, weight in rank0["parameters"].items():
         assert torch.equal(weight, rank1["parameters"][name]), f"{name} differs between the ranks"
+    for name, buffer in (rank0["evaluated"] or [{}])[0].items():  # BatchNorm's running statistics
+        assert torch.equal(buffer, rank1["evaluated"][0][name]), f"the ranks evaluated with different {name}"
+    assert "resnet" not in argv or len(rank0["evaluated"][0]) == 40, rank0["evaluated"]
 
 
 def test_checkpoints_move_between_one_and_two_processes(tmp_path):
@@ -1011,6 +1086,95 @@ def test_an_error_under_two_processes_exits_2_and_leaves_the_group(tmp_path):
     for rank in ranks:
         assert rank["code"] == 2 and "not written by amp_train.py" in rank["err"], rank
         assert rank["group_left"], "the process group must be destroyed on errors too"
+
+
+def mock_cifar10_download(out_dir):
+    """Downloading writes the tiny CIFAR-10 folder, slowly, and leaves a line in calls.txt."""
+    import time
+    import torchvision.datasets.cifar as cifar
+    def download(url, download_root, **kwargs):
+        with open(out_dir / "calls.txt", "a") as calls:
+            calls.write(f"{os.environ['RANK']}\n")
+        time.sleep(1)  # a process that did not wait would find nothing yet
+        write_tiny_cifar10(pathlib.Path(download_root), per_batch=4)
+    cifar.download_and_extract_archive = download
+    cifar.check_integrity = lambda path, md5=None: os.path.isfile(path)  # our files cannot match the md5 sums
+
+
+def test_only_one_process_per_machine_downloads_cifar10(tmp_path):
+    argv = ["--device", "cpu", "--example", "resnet", "--data-root", str(tmp_path / "data"), "--epochs", "1",
+            "--batch-size", "4"]
+    rank0, rank1 = run_two_processes(argv, tmp_path, setup=mock_cifar10_download)
+    assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
+    assert (tmp_path / "calls.txt").read_text() == "0\n", "only local rank 0 may download"
+    assert re.search(r"^epoch 1/1 ", rank0["out"], re.M), rank0["out"]
+
+
+def test_one_visible_gpu_per_process_is_used(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert amp_train.resolve_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(amp_train.UsageError, match="no GPU of its own"):
+        amp_train.resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert amp_train.resolve_device("cuda") == torch.device("cuda", 3)
+
+
+def test_nccl_gets_the_device_and_every_group_a_timeout(monkeypatch):
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append((a, k)))
+    amp_train.init_distributed(torch.device("cuda", 1))
+    amp_train.init_distributed(CPU)
+    timeout = amp_train.DIST_TIMEOUT
+    assert calls == [(("nccl",), {"timeout": timeout, "device_id": torch.device("cuda", 1)}),
+                     (("gloo",), {"timeout": timeout, "device_id": None})], calls
+    assert timeout.total_seconds() <= 600, "a lost peer must end the run within 10 minutes"
+
+
+def torchrun(tmp_path, *argv, max_restarts=0, kill_after=None):
+    """Runs amp_train.py under torchrun with 2 CPU processes; with kill_after=PATH, SIGKILLs one
+    worker as soon as PATH appears. Returns the finished process."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               f"--max-restarts={max_restarts}", str(pathlib.Path(amp_train.__file__)), "--device", "cpu", *argv]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    if kill_after:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(kill_after) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = pathlib.Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        os.kill(int(workers[-1]), signal.SIGKILL)
+    out, err = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def last_epoch_line(out):
+    line = re.findall(r"^epoch .*$", out, re.M)[-1]
+    return line.rsplit(" | ", 2)[0]  # without the img/s and seconds
+
+
+def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_resumes(tmp_path):
+    argv = ["--example", "resnet", "--data", "synthetic", "--max-steps", "2", "--batch-size", "8", "--epochs", "10"]
+    done = torchrun(tmp_path, *argv, "--checkpoint", "run.pt", max_restarts=2, kill_after=tmp_path / "run.pt")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "exitcode: -9" in done.stderr, "no worker was killed: " + done.stderr
+    assert re.search(r"^resumed from run.pt after epoch \d+$", done.stdout, re.M), done.stdout
+    uninterrupted = run_two_processes(["--device", "cpu", *argv], tmp_path)[0]
+    assert last_epoch_line(done.stdout) == last_epoch_line(uninterrupted["out"]), (done.stdout, uninterrupted["out"])
+
+
+def test_a_restart_never_resumes_a_checkpoint_of_another_run(tmp_path, capsys):
+    path = tmp_path / "run.pt"
+    assert amp_train.main(["--device", "cpu", "--example", "linear", "--epochs", "1", "--checkpoint", str(path)]) == 0
+    before = path.read_bytes()
+    done = torchrun(tmp_path, "--example", "linear", "--epochs", "2", "--checkpoint", "run.pt", max_restarts=1)
+    assert done.returncode != 0, done.stdout
+    assert done.stderr.count("already exists: add --resume") == 4, done.stderr  # 2 processes, 2 rounds
+    assert 'amp_train.py", line' not in done.stderr, "a worker ended in a traceback: " + done.stderr
+    assert path.read_bytes() == before, "the other run's checkpoint was changed"
 
 
 def test_torchrun_launches_the_linear_example(tmp_path):
