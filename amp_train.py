@@ -15,6 +15,7 @@ bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
 `train_epoch` is the function to copy into your own code.
 """
 import argparse
+import collections
 import contextlib
 import datetime
 import gc
@@ -30,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs.
 DEFAULT_EPOCHS = 100
@@ -41,6 +44,7 @@ SYNTHETIC_TRAIN_SIZE = 10_000
 SYNTHETIC_TEST_SIZE = 2_000
 MEMORY_STEPS = 20
 MEMORY_WARMUP_STEPS = 3
+OPS_SHOWN = 8  # the memory example lists this many of the ops of each dtype, the most called
 # An fp16 run stops once the GradScaler has skipped a whole epoch's steps and at least this
 # many in a row: 32 halvings take the scale from 2**16 to 2**-16, so the gradients are not
 # merely large, they are inf/NaN. (Fewer would stop short epochs while the scaler calibrates.)
@@ -424,23 +428,50 @@ def count_saved_tensors(model):
     'activation_bytes': what the forward pass keeps for backward; this grows with
     the batch and is what autocast halves. 'weight_copy_bytes': autocast's
     low-precision copies of the weights (0 in fp32); their size is fixed.
+    'activation_bytes_by_dtype' splits the first by dtype: what does not halve.
     The parameters themselves exist anyway and are not counted. Works on any
     device; a storage saved twice counts once.
     """
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}  # data_ptr -> (bytes, is a weight copy)
+    storages = {}  # data_ptr -> (bytes, is a weight copy, dtype)
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = (storage.nbytes(), is_weight_copy(tensor, params))
+            storages[storage.data_ptr()] = (storage.nbytes(), is_weight_copy(tensor, params), dtype_name(tensor))
         return tensor
 
     counts = {}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield counts
-    counts["activation_bytes"] = sum(n for n, copy in storages.values() if not copy)
-    counts["weight_copy_bytes"] = sum(n for n, copy in storages.values() if copy)
+    counts["activation_bytes"] = sum(n for n, copy, _ in storages.values() if not copy)
+    counts["weight_copy_bytes"] = sum(n for n, copy, _ in storages.values() if copy)
+    by_dtype = collections.Counter()
+    for n, copy, dtype in storages.values():
+        by_dtype[dtype] += 0 if copy else n
+    counts["activation_bytes_by_dtype"] = dict(by_dtype.most_common())
+
+
+def dtype_name(tensor):
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops that run inside the block (forward, backward and optimizer step)
+    by the dtype they computed in, that of their first floating output (or input, for ops
+    that write in place and return nothing): {dtype: Counter({op name: calls})}. Views,
+    which compute nothing, are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        floating = [t for t in tree_leaves((out, args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if floating and not func.is_view and func.overloadpacket.__name__ != "_local_scalar_dense":  # not .item()
+            self.counts[dtype_name(floating[0])][func.overloadpacket.__name__] += 1
+        return out
 
 
 def measure_training(build_model, batch, criterion, device, amp_dtype,
@@ -460,7 +491,7 @@ def measure_training(build_model, batch, criterion, device, amp_dtype,
 
     for _ in range(warmup):
         step()
-    with count_saved_tensors(model) as saved:
+    with count_saved_tensors(model) as saved, CountOps() as ops:
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -468,6 +499,9 @@ def measure_training(build_model, batch, criterion, device, amp_dtype,
     return {
         "activation_bytes": saved["activation_bytes"],
         "weight_copy_bytes": saved["weight_copy_bytes"],
+        "activation_bytes_by_dtype": saved["activation_bytes_by_dtype"],
+        "ops": {dtype: {"calls": sum(ops.values()), "top": dict(ops.most_common(OPS_SHOWN))}
+                for dtype, ops in sorted(ops.counts.items(), key=lambda item: -sum(item[1].values()))},
         "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         # Reserved memory is what the caching allocator holds, and what runs out.
         "reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
@@ -542,6 +576,37 @@ def load_checkpoint(path, example):
         raise UsageError(f"{path} is a checkpoint of the {state['example']} example, not {example}: "
                          f"pass --example {state['example']} or another --checkpoint")
     return state
+
+
+def write_metrics(path, records):
+    """Appends one JSON object per record and line (inf/NaN as null) to the metrics file."""
+    try:
+        with open(path, "a") as f:
+            for record in records:
+                f.write(json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
+                                    for key, value in record.items()}) + "\n")
+    except OSError as e:
+        raise UsageError(f"could not write the metrics file {path} ({e}): free some space, "
+                         "or pass another --metrics") from None
+
+
+def keep_metrics(path, epochs):
+    """Keeps the metrics file's lines up to epoch `epochs` (those the checkpoint holds), atomically."""
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            lines = [line for line in f if json.loads(line)["epoch"] <= epochs]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{path} is not a metrics file of amp_train.py ({type(e).__name__}): "
+                         "pass another --metrics") from None
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            f.writelines(lines)
+        os.replace(f"{path}.tmp", path)
+    except OSError as e:
+        raise UsageError(f"could not write the metrics file {path} ({e}): free some space, "
+                         "or pass another --metrics") from None
 
 
 def restarted_by_torchrun(path):
@@ -654,6 +719,16 @@ def unsaved_reason(train_loss, test_loss):
     return None
 
 
+def epoch_line(record, epochs, unit):
+    """The log line of an epoch's metrics record."""
+    line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs} | train loss {record['train_loss']:.4f}"
+    if "test_loss" in record:
+        line += f" | test loss {record['test_loss']:.4f} | test acc {100 * record['test_accuracy']:5.2f}%"
+    scale = "off" if record["loss_scale"] is None else f"{record['loss_scale']:g}"
+    return (f"{line} | lr {record['lr']:.4g} | scale {scale} | skipped {record['skipped_steps']} | "
+            f"{record['samples_per_second']:.0f} {unit}/s | {record['seconds']:.3f} s")
+
+
 def run_training(args, device, amp_dtype, state=None, notes=()):
     """The resnet and linear examples: train, evaluate, print one line per epoch, checkpoint.
 
@@ -701,8 +776,9 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
         log(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
         return 0
 
+    if args.metrics and rank == 0:
+        keep_metrics(args.metrics, start_epoch)  # the file matches the checkpoint, then grows with it
     log_every = 50 if steps_per_epoch >= 100 and rank == 0 else 0
-    width = len(str(args.epochs))
     unit = "samples" if args.example == "linear" else "img"
     skipped_in_a_row = 0
     for epoch in range(start_epoch, args.epochs):
@@ -714,7 +790,8 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
         # Per-process sums, added up over all processes (a no-op in one process).
         loss_sum, samples = all_reduce_sum([stats.loss * stats.samples, stats.samples], device)
         train_loss, test_loss = loss_sum / max(samples, 1), None
-        line = f"epoch {epoch + 1:>{width}}/{args.epochs} | train loss {train_loss:.4f}"
+        record = {"example": args.example, "precision": precision_name(amp_dtype), "epoch": epoch + 1,
+                  "train_loss": train_loss}
         for buffer in model.buffers() if world_size > 1 else []:
             # Each process updated BatchNorm's running statistics from its own batches: all
             # take rank 0's, so that every process evaluates (and checks) the model it saves.
@@ -724,10 +801,13 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
             ev_loss, correct, ev_samples = all_reduce_sum(
                 [ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples], device)
             test_loss = ev_loss / ev_samples
-            line += f" | test loss {test_loss:.4f} | test acc {100 * correct / ev_samples:5.2f}%"
-        scale = "off" if stats.loss_scale is None else f"{stats.loss_scale:g}"
-        log(f"{line} | lr {lr:.4g} | scale {scale} | skipped {stats.skipped_steps} | "
-            f"{samples / max(stats.seconds, 1e-9):.0f} {unit}/s | {stats.seconds:.3f} s", flush=True)
+            record.update(test_loss=test_loss, test_accuracy=correct / ev_samples)
+        record.update(lr=lr, loss_scale=stats.loss_scale, skipped_steps=stats.skipped_steps,
+                      samples_per_second=samples / max(stats.seconds, 1e-9), seconds=stats.seconds,
+                      processes=world_size)
+        log(epoch_line(record, args.epochs, unit), flush=True)
+        if args.metrics and rank == 0:
+            write_metrics(args.metrics, [record])
 
         all_skipped = stats.skipped_steps == stats.steps
         skipped_in_a_row = skipped_in_a_row + stats.steps if all_skipped else 0
@@ -794,9 +874,8 @@ def run_memory(args, device, amp_dtype):
     runs = {name: measure_training(build_model, batch, criterion, device, dtype, args.steps,
                                    seed=args.seed, lr=args.lr)
             for name, dtype in (("fp32", None), ("amp", amp_dtype))}
-    runs["ratio"] = {key: (runs["amp"][key] / runs["fp32"][key]
-                           if runs["amp"][key] is not None and runs["fp32"][key] else None)
-                     for key in runs["fp32"]}
+    runs["ratio"] = {key: (runs["amp"][key] / value if runs["amp"][key] is not None and value else None)
+                     for key, value in runs["fp32"].items() if not isinstance(value, dict)}
     result = {"device": str(device), "model": args.model, "batch_size": args.batch_size,
               "precision": precision_name(amp_dtype), "steps": args.steps,
               "warmup_steps": MEMORY_WARMUP_STEPS, "torch": torch.__version__, "tf32": tf32_state(device),
@@ -822,6 +901,10 @@ def memory_report(r):
         lines.append(f"{label:<20}{fmt(fp32[key]):>14}{fmt(amp[key]):>14}{'n/a' if x is None else f'{x:.2f}':>12}")
     loader = f"{r['loader_samples_per_second']:.0f}"
     lines.append(f"{'loader samples/s':<20}{loader:>14}{loader:>14}{'n/a':>12}")
+    lines.append(f"ops in one {name} training step (aten calls, by the dtype they computed in; the most called):")
+    for dtype, ops in amp["ops"].items():
+        top = ", ".join(f"{op} x{calls}" for op, calls in ops["top"].items())
+        lines.append(f"  {dtype:<9}{ops['calls']:>5} calls: {top}")
     if fp32["activation_bytes"] < 2**20:
         lines.append(f"The activations here are {fp32['activation_bytes']} bytes in fp32 and "
                      f"{amp['activation_bytes']} in {name}: a model this small has nothing to save. "
@@ -832,6 +915,9 @@ def memory_report(r):
                      f"({saved:.1f} MiB less at batch {r['batch_size']}), at the cost of "
                      f"{mib(amp['weight_copy_bytes'])} of {name} weight copies. Activations grow with the "
                      f"batch and the copies do not, so larger batches save more.")
+        parts = ", ".join(f"{mib(n)} {dtype}" for dtype, n in amp["activation_bytes_by_dtype"].items())
+        lines.append(f"Of the {name} run's activations, {parts}: only the low-precision part is halved "
+                     "(autocast keeps the float32 ops above in fp32; int64 tensors are indices).")
         if ratio["peak_bytes"] is not None:
             lines.append(f"Peak device memory was {ratio['peak_bytes']:.2f}x that of fp32.")
         lines.append(f"A step took {ratio['step_seconds']:.2f}x the time of fp32"
@@ -901,6 +987,8 @@ def parse_args(argv):
                         "per optimizer step (default: %(default)s)")
     p.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="save a checkpoint here after every epoch, atomically (default: none)")
+    p.add_argument("--metrics", default=None, metavar="PATH",
+                   help="append one JSON line of metrics per epoch here (default: none)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint up to --epochs")
     p.add_argument("--model", choices=["resnet18", "linear"], default="resnet18",
@@ -925,13 +1013,14 @@ def main(argv=None):
         args, given = parse_args(argv)
         if args.resume and not args.checkpoint:
             raise UsageError("--resume needs --checkpoint PATH: the checkpoint to continue from")
-        if args.example == "memory" and args.checkpoint:
-            raise UsageError("--checkpoint is for the resnet and linear examples, not memory")
+        if args.example == "memory" and (args.checkpoint or args.metrics):
+            raise UsageError("--checkpoint and --metrics are for the resnet and linear examples, not memory")
         resume = args.resume or restarted_by_torchrun(args.checkpoint)
         state = load_checkpoint(args.checkpoint, args.example) if resume else None
         notes = resume_args(args, given, state) if state else []
-        if args.checkpoint:  # checked before any process group is joined or epoch trained
-            check_new_file(args.checkpoint, "--checkpoint", resuming=state is not None)
+        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
+            if path:  # checked before any process group is joined or epoch trained
+                check_new_file(path, flag, resuming=state is not None)
         device = resolve_device(args.device)
         # The shapes repeat every step: let cuDNN time its convolution algorithms once and keep the fastest.
         torch.backends.cudnn.benchmark = device.type == "cuda"

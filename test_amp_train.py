@@ -225,16 +225,47 @@ def small_conv_net():
                          nn.ReLU(), nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
 
 
-@pytest.mark.parametrize("amp_dtype,activation_bytes,weight_copy_bytes", [
-    (None, 2 * 4 * 4, 0),                     # x, 8 floats; the weight is a parameter: not counted
-    (torch.bfloat16, 2 * 4 * 2, 3 * 4 * 2),   # autocast's bf16 copy of x; its bf16 copy of the weight
+@pytest.mark.parametrize("amp_dtype,activation_bytes,weight_copy_bytes,by_dtype", [
+    (None, 2 * 4 * 4, 0, {"float32": 32}),                              # x, 8 floats; the weight is not counted
+    (torch.bfloat16, 2 * 4 * 2, 3 * 4 * 2, {"bfloat16": 16}),           # bf16 copies of x and of the weight
 ])
-def test_count_saved_tensors_counts_activations_and_weight_copies(amp_dtype, activation_bytes, weight_copy_bytes):
+def test_count_saved_tensors_counts_activations_and_weight_copies(amp_dtype, activation_bytes, weight_copy_bytes,
+                                                                  by_dtype):
     model = nn.Linear(4, 3, bias=False)
     with amp_train.count_saved_tensors(model) as saved:
         with amp_train.amp_context(CPU, amp_dtype):
             model(torch.randn(2, 4, requires_grad=True)).sum().backward()
-    assert saved == {"activation_bytes": activation_bytes, "weight_copy_bytes": weight_copy_bytes}, saved
+    assert saved == {"activation_bytes": activation_bytes, "weight_copy_bytes": weight_copy_bytes,
+                     "activation_bytes_by_dtype": by_dtype}, saved
+
+
+def ops_of_one_step(model, batch, criterion, amp_dtype):
+    optimizer = amp_train.make_optimizer(model, 0.01)
+    scaler = amp_train.make_scaler(CPU, amp_dtype)
+    with amp_train.CountOps() as ops:
+        amp_train.train_epoch(model, [batch], optimizer, criterion, scaler, CPU, amp_dtype)
+    return ops.counts
+
+
+@pytest.mark.parametrize("model,batch,criterion,low,kept", [
+    (nn.Linear(10, 1), amp_train.linear_batch(8), nn.MSELoss(), {"addmm", "mm"}, {"mse_loss", "mse_loss_backward"}),
+    (amp_train.build_resnet18(), (torch.randn(2, 3, 32, 32), torch.tensor([0, 1])), nn.CrossEntropyLoss(),
+     {"convolution", "convolution_backward", "addmm", "mm"}, {"_log_softmax", "nll_loss_forward", "nll_loss_backward"}),
+])
+def test_the_op_count_shows_matmuls_in_bf16_and_the_loss_in_fp32(model, batch, criterion, low, kept):
+    counts = ops_of_one_step(model, batch, criterion, torch.bfloat16)
+    assert low <= set(counts["bfloat16"]), f"not all of {low} ran in bf16: {dict(counts)}"
+    assert kept <= set(counts["float32"]), f"not all of {kept} ran in fp32: {dict(counts)}"
+    assert not low & set(counts["float32"]) and not kept & set(counts["bfloat16"]), dict(counts)
+    assert counts["bfloat16"]["_to_copy"] > 0, "the casts that make the weight copies must be counted"
+    assert counts["float32"]["_fused_sgd_"] == 1, "the optimizer's update runs in fp32 on fp32 weights"
+    if "convolution" in low:
+        assert counts["bfloat16"]["convolution"] == 20, "ResNet18 has 20 convolutions"
+
+
+def test_the_op_count_of_an_fp32_step_has_nothing_in_low_precision():
+    counts = ops_of_one_step(nn.Linear(10, 1), amp_train.linear_batch(8), nn.MSELoss(), None)
+    assert set(counts) == {"float32"} and counts["float32"]["addmm"] == 1, dict(counts)
 
 
 def test_autocast_halves_the_activation_memory_of_a_conv_net():
@@ -261,7 +292,9 @@ def test_memory_example_json_has_the_documented_keys(capsys):
         assert result[run]["peak_bytes"] is None, "peak memory is CUDA only: null on the CPU"
         assert isinstance(result[run]["step_seconds"], float) and isinstance(result[run]["final_loss"], float)
     assert result[run]["reserved_bytes"] is None, "reserved memory is CUDA only: null on the CPU"
-    assert set(result["ratio"]) == set(result["fp32"]), result["ratio"]
+    assert set(result["ratio"]) == {k for k, v in result["fp32"].items() if not isinstance(v, dict)}, result["ratio"]
+    assert result["amp"]["ops"]["bfloat16"]["top"]["addmm"] == 1, result["amp"]["ops"]
+    assert all(set(ops) == {"calls", "top"} for ops in result["amp"]["ops"].values()), result["amp"]["ops"]
     assert result["loader_samples_per_second"] > 0, result
     assert result["ratio"]["peak_bytes"] is None and 0 < result["ratio"]["activation_bytes"] < 1, result["ratio"]
 
@@ -271,7 +304,12 @@ def test_memory_example_table_for_resnet(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^activation memory +[\d.]+ MiB +[\d.]+ MiB +0\.\d\d$", out, re.M), out
     assert re.search(r"^peak device memory +n/a +n/a +n/a$", out, re.M), out
+    assert re.search(r"^loader samples/s +(\d+) +\1 +n/a$", out, re.M), out
+    assert re.search(r"^  bfloat16 +\d+ calls: .*convolution x20", out, re.M), out
+    assert re.search(r"^  float32 +\d+ calls: ", out, re.M), out
+    assert re.search(r"Of the bf16 run's activations, [\d.]+ MiB bfloat16, [\d.]+ MiB int64", out), out
     assert "bf16 autocast kept 0." in out and "model resnet18 | batch 4" in out, out
+    assert re.search(r"the (bf16 step, not the loader,|loader) limits throughput", out), out
 
 
 def test_memory_example_says_the_linear_model_has_nothing_to_save(capsys):
@@ -859,6 +897,57 @@ def test_resume_when_already_done_does_nothing(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------- the metrics file
+
+METRIC_FIELDS = {"example", "precision", "epoch", "train_loss", "lr", "loss_scale", "skipped_steps",
+                 "samples_per_second", "seconds", "processes"}
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("example,fields", [(RESNET_TINY, METRIC_FIELDS | {"test_loss", "test_accuracy"}),
+                                            (LINEAR_FP16, METRIC_FIELDS)])
+def test_the_metrics_file_has_a_line_per_epoch(example, fields, tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    assert amp_train.main(example + ["--epochs", "2", "--metrics", str(path)]) == 0
+    out = capsys.readouterr().out
+    records = read_metrics(path)
+    assert [r["epoch"] for r in records] == [1, 2], records
+    for record in records:
+        assert set(record) == fields, set(record) ^ fields
+        assert record["processes"] == 1 and record["example"] in ("resnet", "linear"), record
+        assert f"train loss {record['train_loss']:.4f}" in out, (record, out)
+
+
+def test_a_resumed_run_appends_to_the_metrics_file_as_far_as_its_checkpoint(tmp_path, capsys):
+    straight = tmp_path / "straight.jsonl"
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "4", "--metrics", str(straight)]) == 0
+    checkpoint, metrics = tmp_path / "run.pt", tmp_path / "m.jsonl"
+    run = LINEAR_FP16 + ["--checkpoint", str(checkpoint), "--metrics", str(metrics)]
+    assert amp_train.main(run + ["--epochs", "2"]) == 0
+    epoch_2 = checkpoint.read_bytes()
+    assert amp_train.main(run + ["--epochs", "3", "--resume"]) == 0
+    checkpoint.write_bytes(epoch_2)  # as if the run died after writing epoch 3's line, before its checkpoint
+    assert amp_train.main(run + ["--epochs", "4", "--resume"]) == 0
+    resumed = read_metrics(metrics)
+    assert [r["epoch"] for r in resumed] == [1, 2, 3, 4], "an epoch past the checkpoint must not stay twice"
+    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in read_metrics(straight)]
+    err = run_bad(LINEAR_FP16 + ["--epochs", "5", "--metrics", str(metrics)], capsys)
+    assert "already exists: add --resume" in err, err
+
+
+def test_a_failed_metrics_write_exits_2(tmp_path, monkeypatch, capsys):
+    def full_disk(path, mode="r", *args, **kwargs):
+        if str(path).endswith(".jsonl") and "a" in mode:
+            raise OSError(28, "No space left on device")
+        return open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(amp_train, "open", full_disk, raising=False)
+    err = run_bad(LINEAR_FP16 + ["--epochs", "2", "--metrics", str(tmp_path / "m.jsonl")], capsys)
+    assert "could not write the metrics file" in err and "No space left" in err, err
+
+
 # ---------------------------------------------------------------- inf and NaN in the examples
 
 def scaler_that_always_overflows(device, amp_dtype):
@@ -1063,6 +1152,15 @@ def test_two_processes_train_in_step_and_only_rank_0_logs(argv, tmp_path):
     for name, buffer in (rank0["evaluated"] or [{}])[0].items():  # BatchNorm's running statistics
         assert torch.equal(buffer, rank1["evaluated"][0][name]), f"the ranks evaluated with different {name}"
     assert "resnet" not in argv or len(rank0["evaluated"][0]) == 40, rank0["evaluated"]
+
+
+def test_only_rank_0_writes_metrics(tmp_path):
+    path = tmp_path / "m.jsonl"
+    ranks = run_two_processes(["--device", "cpu", "--example", "linear", "--epochs", "3", "--metrics", str(path)],
+                              tmp_path)
+    assert [r["code"] for r in ranks] == [0, 0], [r["err"] for r in ranks]
+    records = read_metrics(path)
+    assert [(r["epoch"], r["processes"]) for r in records] == [(1, 2), (2, 2), (3, 2)], records
 
 
 def test_checkpoints_move_between_one_and_two_processes(tmp_path):
