@@ -132,9 +132,15 @@ def init_distributed(device):
     if "WORLD_SIZE" in os.environ:
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        # torchrun keeps one key-value store over its restarts (--max-restarts): a restarted
+        # process that read the keys of the round before hung in gloo's set-up, or connected to a
+        # dead peer (seen here). So each round gets keys of its own.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=DIST_TIMEOUT))
+        store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         # A bounded wait: a process whose peer died raises within DIST_TIMEOUT instead of hanging.
         # device_id binds NCCL to this process's GPU at once (and silences its warning at barriers).
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=DIST_TIMEOUT,
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size, timeout=DIST_TIMEOUT,
                                 device_id=device if device.type == "cuda" else None)
 
 
@@ -323,20 +329,20 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
     Works for any model, any sized iterable of (inputs, targets) and any loss.
     amp_dtype=None is plain fp32. With accum_steps=K, gradients of K
     micro-batches add up before each optimizer step (under DDP, all-reduced
-    once per step); `max_steps` and the step counts count optimizer steps. The host syncs are one at the end, one every
-    `log_every` steps when a progress line was asked for, and, with fp16 and a
-    plain (not fused) optimizer, the scaler's own in every scaler.step().
+    once per step); `max_steps` and the step counts count optimizer steps.
+    The host syncs are one at the end, one every `log_every` steps when a
+    progress line was asked for, and, with fp16 and a plain (not fused)
+    optimizer, the scaler's own in every scaler.step().
     """
     model.train()
 
     def optimizer_step():
-        nonlocal skipped
         if clip_grad_norm is not None:
             scaler.unscale_(optimizer)         # clip the true gradients, not the scaled ones
             nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         scaler.step(optimizer)                 # unscales (unless done) and skips the step on inf/NaN
-        if scaler.is_enabled():                # count the skip on the device: no sync, and right for
-            skipped = skipped + sum(scaler._found_inf_per_device(optimizer).values())  # fused optimizers too
+        if scaler.is_enabled():                # count skips from found_inf, on the device: no sync, and
+            skipped.add_(sum(scaler._found_inf_per_device(optimizer).values()))  # right for fused optimizers
         scaler.update()                        # halves the scale after a skip, grows it after a good run
         optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros
 
@@ -444,11 +450,12 @@ def count_saved_tensors(model):
     counts = {}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield counts
-    counts["activation_bytes"] = sum(n for n, copy, _ in storages.values() if not copy)
-    counts["weight_copy_bytes"] = sum(n for n, copy, _ in storages.values() if copy)
     by_dtype = collections.Counter()
     for n, copy, dtype in storages.values():
-        by_dtype[dtype] += 0 if copy else n
+        if not copy:
+            by_dtype[dtype] += n
+    counts["activation_bytes"] = sum(by_dtype.values())
+    counts["weight_copy_bytes"] = sum(n for n, copy, _ in storages.values() if copy)
     counts["activation_bytes_by_dtype"] = dict(by_dtype.most_common())
 
 
@@ -578,16 +585,14 @@ def load_checkpoint(path, example):
     return state
 
 
-def write_metrics(path, records):
-    """Appends one JSON object per record and line (inf/NaN as null) to the metrics file."""
+def append_metrics(path, record):
+    """Appends one epoch's record to the metrics file as a JSON line (inf/NaN as null)."""
     try:
         with open(path, "a") as f:
-            for record in records:
-                f.write(json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
-                                    for key, value in record.items()}) + "\n")
+            f.write(json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
+                                for key, value in record.items()}) + "\n")
     except OSError as e:
-        raise UsageError(f"could not write the metrics file {path} ({e}): free some space, "
-                         "or pass another --metrics") from None
+        raise metrics_error(path, e) from None
 
 
 def keep_metrics(path, epochs):
@@ -605,8 +610,11 @@ def keep_metrics(path, epochs):
             f.writelines(lines)
         os.replace(f"{path}.tmp", path)
     except OSError as e:
-        raise UsageError(f"could not write the metrics file {path} ({e}): free some space, "
-                         "or pass another --metrics") from None
+        raise metrics_error(path, e) from None
+
+
+def metrics_error(path, error):
+    return UsageError(f"could not write the metrics file {path} ({error}): free some space, or pass another --metrics")
 
 
 def restarted_by_torchrun(path):
@@ -616,7 +624,8 @@ def restarted_by_torchrun(path):
     if not path or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or not os.path.isfile(path):
         return False
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)["torchrun_job"] == os.environ["TORCHELASTIC_RUN_ID"]
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return state["torchrun_job"] == os.environ["TORCHELASTIC_RUN_ID"]
     except Exception:  # not readable, or not ours: not this job's
         return False
 
@@ -711,12 +720,27 @@ def stop_reason(stats, train_loss, amp_dtype, skipped_in_a_row, bad_tensor):
     return None
 
 
-def unsaved_reason(train_loss, test_loss):
-    """Why this epoch must not replace the last checkpoint, or None (test_loss None: no test set)."""
-    for name, value in (("training", train_loss), ("test", test_loss)):
-        if value is not None and not math.isfinite(value):
-            return f"its mean {name} loss is {value}"
+def unsaved_reason(record):
+    """Why this epoch must not replace the last checkpoint, or None."""
+    for name, key in (("training", "train_loss"), ("test", "test_loss")):
+        if not math.isfinite(record.get(key, 0.0)):
+            return f"its mean {name} loss is {record[key]}"
     return None
+
+
+def epoch_record(args, amp_dtype, epoch, lr, stats, model, test_loader, criterion, device):
+    """An epoch's metrics, summed over all processes: what its log line and the metrics file show."""
+    loss_sum, samples = all_reduce_sum([stats.loss * stats.samples, stats.samples], device)
+    record = {"example": args.example, "precision": precision_name(amp_dtype), "epoch": epoch + 1,
+              "train_loss": loss_sum / max(samples, 1)}
+    if test_loader is not None:
+        ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
+        ev_loss, correct, ev_samples = all_reduce_sum([ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples],
+                                                      device)
+        record.update(test_loss=ev_loss / ev_samples, test_accuracy=correct / ev_samples)
+    return {**record, "lr": lr, "loss_scale": stats.loss_scale, "skipped_steps": stats.skipped_steps,
+            "samples_per_second": samples / max(stats.seconds, 1e-9), "seconds": stats.seconds,
+            "processes": dist.get_world_size() if dist.is_initialized() else 1}
 
 
 def epoch_line(record, epochs, unit):
@@ -787,32 +811,19 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
         stats = train_epoch(trained, train_loader, optimizer, criterion, scaler, device, amp_dtype,
                             clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps,
                             max_steps=args.max_steps, log_every=log_every)
-        # Per-process sums, added up over all processes (a no-op in one process).
-        loss_sum, samples = all_reduce_sum([stats.loss * stats.samples, stats.samples], device)
-        train_loss, test_loss = loss_sum / max(samples, 1), None
-        record = {"example": args.example, "precision": precision_name(amp_dtype), "epoch": epoch + 1,
-                  "train_loss": train_loss}
         for buffer in model.buffers() if world_size > 1 else []:
             # Each process updated BatchNorm's running statistics from its own batches: all
             # take rank 0's, so that every process evaluates (and checks) the model it saves.
             dist.broadcast(buffer, src=0)
-        if test_loader is not None:
-            ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
-            ev_loss, correct, ev_samples = all_reduce_sum(
-                [ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples], device)
-            test_loss = ev_loss / ev_samples
-            record.update(test_loss=test_loss, test_accuracy=correct / ev_samples)
-        record.update(lr=lr, loss_scale=stats.loss_scale, skipped_steps=stats.skipped_steps,
-                      samples_per_second=samples / max(stats.seconds, 1e-9), seconds=stats.seconds,
-                      processes=world_size)
+        record = epoch_record(args, amp_dtype, epoch, lr, stats, model, test_loader, criterion, device)
         log(epoch_line(record, args.epochs, unit), flush=True)
         if args.metrics and rank == 0:
-            write_metrics(args.metrics, [record])
+            append_metrics(args.metrics, record)
 
         all_skipped = stats.skipped_steps == stats.steps
         skipped_in_a_row = skipped_in_a_row + stats.steps if all_skipped else 0
-        problem = stop_reason(stats, train_loss, amp_dtype, skipped_in_a_row, nonfinite_tensor(model))
-        unsaved = problem or unsaved_reason(train_loss, test_loss)
+        problem = stop_reason(stats, record["train_loss"], amp_dtype, skipped_in_a_row, nonfinite_tensor(model))
+        unsaved = problem or unsaved_reason(record)
         kept = (f"{args.checkpoint} holds epoch {saved_epoch}" if saved_epoch is not None
                 else f"nothing was saved to {args.checkpoint}")
         if problem:

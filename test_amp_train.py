@@ -1220,17 +1220,21 @@ def test_one_visible_gpu_per_process_is_used(monkeypatch):
     assert amp_train.resolve_device("cuda") == torch.device("cuda", 3)
 
 
-def test_nccl_gets_the_device_and_every_group_a_timeout(monkeypatch):
-    calls = []
+def test_nccl_gets_the_device_and_every_group_a_timeout_and_keys_of_its_round(monkeypatch):
+    calls, store = [], torch.distributed.HashStore()
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "rendezvous", lambda url, timeout: iter([(store, 1, 2)]))
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append((a, k)))
     amp_train.init_distributed(torch.device("cuda", 1))
     amp_train.init_distributed(CPU)
     timeout = amp_train.DIST_TIMEOUT
-    assert calls == [(("nccl",), {"timeout": timeout, "device_id": torch.device("cuda", 1)}),
-                     (("gloo",), {"timeout": timeout, "device_id": None})], calls
+    assert [(a, k["timeout"], k["device_id"], k["rank"], k["world_size"]) for a, k in calls] == [
+        (("nccl",), timeout, torch.device("cuda", 1), 1, 2), (("gloo",), timeout, None, 1, 2)], calls
     assert timeout.total_seconds() <= 600, "a lost peer must end the run within 10 minutes"
+    calls[0][1]["store"].set("key", "value")
+    assert store.get("restart3/key") == b"value", "a restarted round must not read the keys of the round before"
 
 
 def torchrun(tmp_path, *argv, max_restarts=0, kill_after=None):
@@ -1238,14 +1242,19 @@ def torchrun(tmp_path, *argv, max_restarts=0, kill_after=None):
     worker as soon as PATH appears. Returns the finished process."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                f"--max-restarts={max_restarts}", str(pathlib.Path(amp_train.__file__)), "--device", "cpu", *argv]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                               start_new_session=True)
     if kill_after:
         deadline = time.monotonic() + 60
         while not os.path.exists(kill_after) and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         workers = pathlib.Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
         os.kill(int(workers[-1]), signal.SIGKILL)
-    out, err = process.communicate(timeout=120)
+    try:
+        out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers: leave nothing running
+        raise
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
