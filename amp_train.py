@@ -80,12 +80,12 @@ def resolve_device(name):
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu or --device auto")
-    if name == "cuda" and "LOCAL_RANK" in os.environ:
-        count, local_rank = torch.cuda.device_count(), int(os.environ["LOCAL_RANK"])
-        if count > 1 and local_rank >= count:
+    if name == "cuda":
+        count, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= count and (count > 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
             raise UsageError(f"process {local_rank} has no GPU of its own: start at most "
                              f"--nproc_per_node={count} processes on this machine")
-        return torch.device("cuda", local_rank if count > 1 else 0)
+        return torch.device("cuda", min(local_rank, count - 1))
     return torch.device(name)
 
 
@@ -144,12 +144,12 @@ def init_distributed(device):
                                 device_id=device if device.type == "cuda" else None)
 
 
-def all_reduce_sum(values, device):
-    """Sums numbers over all processes; returns them as they are in a single process."""
+def all_reduce(values, device, op=dist.ReduceOp.SUM):
+    """Sums numbers (or takes their `op`) over all processes; returns them as they are in one process."""
     if not dist.is_initialized():
         return list(values)
     total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total)
+    dist.all_reduce(total, op=op)
     return total.tolist()
 
 
@@ -200,16 +200,18 @@ class DeviceLoader:
     def __iter__(self):
         n, device = len(self.targets), self.targets.device
         # The CPU generator keeps 32 bits of its seed; seeds of nearby runs and epochs stay apart.
-        generator = torch.Generator(device).manual_seed((self.seed * 1_000_003 + self.epoch) % 2**32)
+        seed = (self.seed * 1_000_003 + self.epoch) % 2**32
+        shuffle = torch.Generator(device).manual_seed(seed)
+        augment = torch.Generator(device).manual_seed((seed + 7919 * (self.rank + 1)) % 2**32)  # per process
         if self.shuffle:  # the same permutation on every process, cut into equal shards
-            order = torch.randperm(n, generator=generator, device=device)
+            order = torch.randperm(n, generator=shuffle, device=device)
             order = order[self.rank:n - n % self.world_size:self.world_size]
         else:             # every sample once over all processes
             order = torch.arange(self.rank, n, self.world_size, device=device)
         for start in range(0, len(order), self.batch_size):
             index = order[start:start + self.batch_size]
             inputs = self.inputs[index]
-            yield (inputs if self.transform is None else self.transform(inputs, generator)), self.targets[index]
+            yield (inputs if self.transform is None else self.transform(inputs, augment)), self.targets[index]
 
 
 def random_crop_flip(images, generator):
@@ -267,16 +269,19 @@ def cifar10(root, train, download=True):
 
 def cifar10_once_per_machine(root):
     """(train, test) CIFAR-10 tensors. Under torchrun only local rank 0 of each machine may
-    download (processes downloading into one folder at once overwrite each other's archive);
-    the others wait at a barrier, then read its files."""
-    first, data, error = int(os.environ.get("LOCAL_RANK", "0")) == 0, None, None
-    if first:
-        try:
-            data = cifar10(root, train=True), cifar10(root, train=False)
-        except UsageError as e:
-            error = e  # raised after the barrier, so that no process waits for this one in vain
-    if dist.is_initialized():
-        dist.barrier()
+    download (processes downloading into one folder at once overwrite each other's archive):
+    global rank 0 first, in case the machines share `root`, then the other machines' local
+    rank 0, each turn ended by a barrier; then the others read their files."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_rank, data, error = int(os.environ.get("LOCAL_RANK", "0")), None, None
+    for my_turn in (rank == 0, rank != 0 and local_rank == 0):
+        if my_turn:
+            try:
+                data = cifar10(root, train=True), cifar10(root, train=False)
+            except UsageError as e:
+                error = e  # raised after the barrier, so that no process waits for this one in vain
+        if dist.is_initialized():
+            dist.barrier()
     if error:
         raise error
     return data or (cifar10(root, train=True, download=False), cifar10(root, train=False, download=False))
@@ -354,21 +359,23 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
     for index, (inputs, targets) in enumerate(loader, 1):
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
+        if pending == 0:  # the micro-batches of this optimizer step: K, or what is left of the loader
+            group = min(accum_steps, len(loader) - index + 1)
         # DDP all-reduces the gradients in every backward: skip that (no_sync, around forward
         # and backward) for all but the last micro-batch before an optimizer step.
-        last = pending + 1 == accum_steps or index == len(loader)
+        last = pending + 1 == group
         with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
             with amp_context(device, amp_dtype):  # autocast covers forward and loss only
                 loss = criterion(model(inputs), targets)
             # Backward outside autocast, on the scaled loss so fp16 gradients don't underflow;
-            # divided by K so that K accumulated micro-batches give the mean gradient.
-            scaler.scale(loss / accum_steps).backward()
+            # divided by the group's size so that its micro-batches give the mean gradient.
+            scaler.scale(loss / group).backward()
         loss = loss.detach().float()
         loss_sum += loss * len(targets)
         nonfinite += ~torch.isfinite(loss)
         samples += len(targets)
         pending += 1
-        if pending < accum_steps:
+        if not last:
             continue
         optimizer_step()
         steps += 1
@@ -380,9 +387,6 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
                   f"{samples / elapsed:.0f} samples/s{where}", flush=True)
         if steps == max_steps:
             break
-    if pending:  # a shorter last group: step on it rather than drop its gradients
-        optimizer_step()
-        steps += 1
     synchronize(device)
     seconds = time.perf_counter() - start
     return EpochStats(
@@ -501,6 +505,8 @@ def measure_training(build_model, batch, criterion, device, amp_dtype,
     with count_saved_tensors(model) as saved, CountOps() as ops:
         step()
     if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()  # so the reserved peak is this run's, not the cache of the run before
         torch.cuda.reset_peak_memory_stats(device)
     timed = [step() for _ in range(steps)]
     return {
@@ -730,12 +736,12 @@ def unsaved_reason(record):
 
 def epoch_record(args, amp_dtype, epoch, lr, stats, model, test_loader, criterion, device):
     """An epoch's metrics, summed over all processes: what its log line and the metrics file show."""
-    loss_sum, samples = all_reduce_sum([stats.loss * stats.samples, stats.samples], device)
+    loss_sum, samples = all_reduce([stats.loss * stats.samples, stats.samples], device)
     record = {"example": args.example, "precision": precision_name(amp_dtype), "epoch": epoch + 1,
               "train_loss": loss_sum / max(samples, 1)}
     if test_loader is not None:
         ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
-        ev_loss, correct, ev_samples = all_reduce_sum([ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples],
+        ev_loss, correct, ev_samples = all_reduce([ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples],
                                                       device)
         record.update(test_loss=ev_loss / ev_samples, test_accuracy=correct / ev_samples)
     return {**record, "lr": lr, "loss_scale": stats.loss_scale, "skipped_steps": stats.skipped_steps,
@@ -775,6 +781,11 @@ def run_training(args, device, amp_dtype, state=None, notes=()):
         start_epoch, more = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype,
                                                args.lr)
         notes += more + [f"resumed from {args.checkpoint} after epoch {start_epoch}"]
+    if world_size > 1:  # every process must go on from the same epoch: machines that share no disk would not
+        lowest, highest = all_reduce([-start_epoch, start_epoch], device, op=dist.ReduceOp.MAX)
+        if -lowest != highest:
+            raise UsageError(f"the processes found {args.checkpoint} at epochs {int(-lowest)} to {int(highest)}: "
+                             "put the checkpoint on a file system that every machine shares")
     saved_epoch = start_epoch if state is not None else None  # the epoch the checkpoint holds
     # DDP averages the gradients across processes during backward. The GradScaler then sees
     # the same gradients on every process, so all of them skip the same steps. Checkpoints

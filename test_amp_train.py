@@ -386,6 +386,17 @@ def test_same_seed_and_epoch_give_the_same_augmented_batches():
     assert not torch.equal(first[0][0], later[0][0]), "another epoch must give other batches"
 
 
+def test_each_process_draws_crops_of_its_own():
+    image = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    images, labels = image.repeat(16, 1, 1, 1), torch.zeros(16, dtype=torch.long)  # one image, 16 times
+    batches = []
+    for rank in range(2):
+        loader = amp_train.DeviceLoader(images, labels, 8, CPU, amp_train.cifar10_transform(CPU, augment=True),
+                                        shuffle=True, rank=rank, world_size=2)
+        batches.append(next(iter(loader))[0])
+    assert not torch.equal(batches[0], batches[1]), "both processes cropped and flipped their batch alike"
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_processes_get_disjoint_shards(shuffle):
     n, world = 23, 3
@@ -571,6 +582,7 @@ def test_cuda_without_a_gpu_exits_2(monkeypatch, capsys):
 def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
     # A V100 or T4 "supports" bf16 by emulation only: that must count as no support.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     argv = ["--example", "linear", "--device", "cuda", "--precision", "bf16"]
     assert "--precision fp16" in run_bad(argv, capsys)
@@ -578,12 +590,13 @@ def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
 
 def test_cuda_turns_on_cudnn_benchmark(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     seen = {}
     monkeypatch.setattr(amp_train, "run_training", lambda args, device, *rest: seen.update(
         device=device, benchmark=torch.backends.cudnn.benchmark) or 0)
     assert amp_train.main(["--example", "linear", "--device", "cuda"]) == 0
-    assert seen == {"device": torch.device("cuda"), "benchmark": True}, seen
+    assert seen == {"device": torch.device("cuda", 0), "benchmark": True}, seen
 
 
 def test_tf32_state_reads_the_new_api_without_raising():
@@ -657,6 +670,24 @@ def test_accumulation_counts_optimizer_steps_and_steps_on_a_short_last_group():
     limited = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), scaler, CPU, torch.float16,
                                     accum_steps=2, max_steps=1)
     assert (limited.steps, limited.samples) == (1, 16), limited
+
+
+def test_a_shorter_last_group_steps_with_the_mean_gradient_of_its_micro_batches():
+    x, y = amp_train.linear_batch(12, seed=5)
+    micro = list(zip(x.split(4), y.split(4)))  # 3 micro-batches, K = 2: a group of 2, then one of 1
+    model, optimizer, scaler = linear_setup(CPU, None)
+    amp_train.train_epoch(model, micro, optimizer, nn.MSELoss(), scaler, CPU, None, accum_steps=2)
+    # The reference: the docs' loop over the same samples, batched as the groups are.
+    reference, ref_optimizer, _ = linear_setup(CPU, None)
+    for inputs, targets in [(x[:8], y[:8]), (x[8:], y[8:])]:
+        nn.MSELoss()(reference(inputs), targets).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad(set_to_none=True)
+    assert torch.allclose(model.weight, reference.weight, atol=1e-6, rtol=0), (model.weight, reference.weight)
+    one, _, _ = linear_setup(CPU, None)
+    single_step = amp_train.train_epoch(one, micro[:1], torch.optim.SGD(one.parameters(), lr=0.01), nn.MSELoss(),
+                                        scaler, CPU, None, accum_steps=4)  # the linear example with K = 4
+    assert single_step.steps == 1 and not torch.equal(one.weight, linear_setup(CPU, None)[0].weight)
 
 
 def test_resnet_example_with_accumulation(capsys):
@@ -1208,10 +1239,36 @@ def test_only_one_process_per_machine_downloads_cifar10(tmp_path):
     assert re.search(r"^epoch 1/1 ", rank0["out"], re.M), rank0["out"]
 
 
+def rank_1_finds_an_older_checkpoint(out_dir):
+    """As on machines that share no disk: rank 1 reads another checkpoint than rank 0."""
+    load_checkpoint = amp_train.load_checkpoint
+    def older(*args, **kwargs):
+        state = load_checkpoint(*args, **kwargs)
+        return {**state, "epoch": state["epoch"] - 1} if os.environ["RANK"] == "1" else state
+    amp_train.load_checkpoint = older
+
+
+def test_processes_that_would_resume_from_different_epochs_refuse(tmp_path):
+    path = tmp_path / "run.pt"
+    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", str(path)]
+    assert amp_train.main(linear + ["--epochs", "2"]) == 0
+    ranks = run_two_processes(linear + ["--epochs", "4", "--resume"], tmp_path, setup=rank_1_finds_an_older_checkpoint)
+    for rank in ranks:
+        assert rank["code"] == 2 and "at epochs 1 to 2: put the checkpoint on a file system" in rank["err"], rank
+    assert load(path)["epoch"] == 2
+
+
 def test_one_visible_gpu_per_process_is_used(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert amp_train.resolve_device("cuda") == torch.device("cuda", 0), "no torchrun: the first GPU, by index"
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(amp_train.UsageError, match="no GPU of its own"):
+        amp_train.resolve_device("cuda")  # 4 processes would share the machine's one GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # a launcher that gives each process its own GPU
     assert amp_train.resolve_device("cuda") == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(amp_train.UsageError, match="no GPU of its own"):
@@ -1303,7 +1360,7 @@ def test_cuda_resnet_example_runs(precision, capsys):
             "--batch-size", "16", "--device", "cuda", "--precision", precision]
     assert amp_train.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"device cuda | precision {precision}" in out and re.search(r"^epoch 1/1 ", out, re.M), out
+    assert f"device cuda:0 | precision {precision}" in out and re.search(r"^epoch 1/1 ", out, re.M), out
 
 
 @requires_cuda
