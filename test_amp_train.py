@@ -384,6 +384,7 @@ def test_same_seed_and_epoch_give_the_same_augmented_batches():
     assert len(first) == 4 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
                                    for a, b in zip(first, again)), "the same (seed, epoch) must repeat exactly"
     assert not torch.equal(first[0][0], later[0][0]), "another epoch must give other batches"
+    assert first[0][0].is_contiguous(memory_format=torch.channels_last), "inputs go to the conv net as NHWC"
 
 
 def test_each_process_draws_crops_of_its_own():
