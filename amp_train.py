@@ -535,7 +535,7 @@ def checkpoint_state(args, amp_dtype, epochs_done, model, optimizer, scheduler, 
         "scaler": scaler.state_dict(),  # the loss scale and growth tracker; {} when the scaler is off
         "rng": {"cpu": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-        "torchrun_job": os.environ.get("TORCHELASTIC_RUN_ID"),  # see restarted_by_torchrun
+        "torchrun_job": os.environ.get("TORCHELASTIC_RUN_ID"),  # see torchrun_restart
     }
 
 
@@ -623,17 +623,11 @@ def metrics_error(path, error):
     return UsageError(f"could not write the metrics file {path} ({error}): free some space, or pass another --metrics")
 
 
-def restarted_by_torchrun(path):
+def torchrun_restart(path):
     """True when torchrun restarted this worker (after another one died, with --max-restarts)
-    and this same torchrun job (its --rdzv-id) wrote the checkpoint at `path`: the run then
-    continues from it, as with --resume. A first launch never resumes by itself."""
-    if not path or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0 or not os.path.isfile(path):
-        return False
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        return state["torchrun_job"] == os.environ["TORCHELASTIC_RUN_ID"]
-    except Exception:  # not readable, or not ours: not this job's
-        return False
+    and a checkpoint exists at `path`: if this same torchrun job (its --rdzv-id) wrote it, the
+    run continues from it, as with --resume. A first launch never resumes by itself."""
+    return bool(path) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and os.path.isfile(path)
 
 
 def resume_args(args, given, state):
@@ -1037,8 +1031,10 @@ def main(argv=None):
             raise UsageError("--resume needs --checkpoint PATH: the checkpoint to continue from")
         if args.example == "memory" and (args.checkpoint or args.metrics):
             raise UsageError("--checkpoint and --metrics are for the resnet and linear examples, not memory")
-        resume = args.resume or restarted_by_torchrun(args.checkpoint)
-        state = load_checkpoint(args.checkpoint, args.example) if resume else None
+        restart = torchrun_restart(args.checkpoint)
+        state = load_checkpoint(args.checkpoint, args.example) if args.resume or restart else None
+        if state and not args.resume and state.get("torchrun_job") != os.environ.get("TORCHELASTIC_RUN_ID"):
+            state = None  # another run's checkpoint: refused below, as on the first launch
         notes = resume_args(args, given, state) if state else []
         for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
             if path:  # checked before any process group is joined or epoch trained
