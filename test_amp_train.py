@@ -970,6 +970,16 @@ def test_a_resumed_run_appends_to_the_metrics_file_as_far_as_its_checkpoint(tmp_
     assert "already exists: add --resume" in err, err
 
 
+def test_a_diverged_epoch_is_recorded_with_null_for_inf(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    argv = ["--device", "cpu", "--example", "linear", "--precision", "fp32", "--lr", "1e20", "--epochs", "5",
+            "--metrics", str(path)]
+    assert amp_train.main(argv) == 1
+    lines = path.read_text().splitlines()
+    assert "Infinity" not in path.read_text() and "NaN" not in path.read_text(), "the file must be standard JSON"
+    assert [json.loads(line)["train_loss"] is None for line in lines] == [False, True], lines
+
+
 def test_a_failed_metrics_write_exits_2(tmp_path, monkeypatch, capsys):
     def full_disk(path, mode="r", *args, **kwargs):
         if str(path).endswith(".jsonl") and "a" in mode:
@@ -1231,10 +1241,16 @@ def mock_cifar10_download(out_dir):
     cifar.check_integrity = lambda path, md5=None: os.path.isfile(path)  # our files cannot match the md5 sums
 
 
-def test_only_one_process_per_machine_downloads_cifar10(tmp_path):
+def two_machines_sharing_the_data_root(out_dir):
+    os.environ["LOCAL_RANK"] = "0"  # each process the first of its own machine
+    mock_cifar10_download(out_dir)
+
+
+@pytest.mark.parametrize("setup", [mock_cifar10_download, two_machines_sharing_the_data_root])
+def test_only_one_process_per_machine_downloads_cifar10(setup, tmp_path):
     argv = ["--device", "cpu", "--example", "resnet", "--data-root", str(tmp_path / "data"), "--epochs", "1",
             "--batch-size", "4"]
-    rank0, rank1 = run_two_processes(argv, tmp_path, setup=mock_cifar10_download)
+    rank0, rank1 = run_two_processes(argv, tmp_path, setup=setup)
     assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
     assert (tmp_path / "calls.txt").read_text() == "0\n", "only local rank 0 may download"
     assert re.search(r"^epoch 1/1 ", rank0["out"], re.M), rank0["out"]
