@@ -1,190 +1,198 @@
-"""Automatic Mixed Precision (AMP) training in PyTorch, done the way the docs say.
+"""Automatic Mixed Precision (AMP) training in PyTorch as the torch.amp docs describe it: the blog post
+"AMP Tensor Cores: saving memory in PyTorch models", its three programs fixed, on a CUDA GPU or the CPU.
 
-The runnable replacement for the blog post "AMP Tensor Cores: saving memory in
-PyTorch models": the post's programs, fixed, on CUDA or CPU.
+    python amp_train.py --example linear                       # the post's Linear(10, 1), 100 iterations
+    python amp_train.py --example resnet --data synthetic      # ResNet18, 100 epochs (drop --data: CIFAR-10)
+    python amp_train.py --example memory                       # does AMP save memory? fp32 and AMP side by side
+    torchrun --nproc_per_node=2 amp_train.py --example resnet  # DistributedDataParallel, one GPU a process
 
-    python -m pip install -r requirements.txt
-    python amp_train.py --example linear                      # the post's Linear(10, 1), 100 iterations
-    python amp_train.py --example resnet                      # ResNet18 on CIFAR-10, 100 epochs
-    python amp_train.py --example resnet --data synthetic     # the same, offline
-    python amp_train.py --help                                # every flag and its default
-    torchrun --nproc_per_node=2 amp_train.py --example resnet # DistributedDataParallel, one GPU a process
-
-Precision is chosen once (`--precision auto`: fp16 with a GradScaler on CUDA,
-bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
-`train_epoch` is the function to copy into your own code.
+train_epoch, first below, is the part to copy. Precision is chosen once (--precision auto: fp16 with
+a GradScaler on CUDA, bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
 """
-import argparse
-import collections
-import contextlib
-import datetime
-import gc
-import json
-import math
-import os
-import statistics
-import sys
-import time
-from dataclasses import dataclass
+import argparse, collections, contextlib, copy, datetime, errno, fcntl, gc, json, math, os, signal, statistics
+import sys, time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # exported under no public name
 from torch.utils._pytree import tree_leaves
 
 # The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs.
-DEFAULT_EPOCHS = 100
-DEFAULT_BATCH_SIZE = 128
-DEFAULT_LR = 0.01
-LR_STEP_EPOCHS = 10
-LR_GAMMA = 0.1
-SYNTHETIC_TRAIN_SIZE = 10_000
-SYNTHETIC_TEST_SIZE = 2_000
-MEMORY_STEPS = 20
-MEMORY_WARMUP_STEPS = 3
-OPS_SHOWN = 8  # the memory example lists this many of the ops of each dtype, the most called
-# An fp16 run stops once the GradScaler has skipped a whole epoch's steps and at least this
-# many in a row: 32 halvings take the scale from 2**16 to 2**-16, so the gradients are not
-# merely large, they are inf/NaN. (Fewer would stop short epochs while the scaler calibrates.)
-SKIPPED_IN_A_ROW_TO_STOP = 32
-CHECKPOINT_FORMAT = "amp_train checkpoint 1"
-# How long a process waits for its peers under torchrun (NCCL's default; long enough for one
-# process per machine to download CIFAR-10 while the others wait) before it fails.
-DIST_TIMEOUT = datetime.timedelta(minutes=10)
-# What a checkpoint must hold, with its type; load_checkpoint refuses anything else.
-CHECKPOINT_FIELDS = {"example": str, "precision": str, "args": dict, "epoch": int, "model": dict,
-                     "optimizer": dict, "scaler": dict, "rng": dict}
-# The flags that define a run. On --resume, those not given keep the checkpoint's values; those
-# given and different are applied with a note (--epochs silently), except --data, which is refused.
-RUN_FLAGS = ("precision", "epochs", "batch_size", "lr", "data", "max_steps", "clip_grad_norm",
-             "accum_steps", "seed")
-MAX_INT = 2**31 - 1                        # the largest count a flag accepts
-MAX_FLOAT = torch.finfo(torch.float32).max  # an lr or norm beyond this overflows the fp32 weights' update
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+EPOCHS, BATCH_SIZE, LR, LR_STEP_EPOCHS, LR_GAMMA = 100, 128, 0.01, 10, 0.1
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+# The flags that define a run: a resumed run keeps the checkpoint's, unless they are given again.
+RUN_FLAGS = ("precision", "epochs", "batch_size", "lr", "data", "max_steps", "clip_grad_norm", "accum_steps", "seed")
+CHECKPOINT_FORMAT = "amp_train checkpoint 2"
+CHECKPOINT_FIELDS = {"example": str, "args": dict, "epoch": int, "processes": int, "global_batch": int,
+                     "model": dict, "optimizer": dict, "scaler": dict}
+# An fp16 run stops once the GradScaler skipped a whole epoch's steps, and at least this many in a
+# row: 32 halvings take the scale from 2**16 to 2**-16, so the gradients are inf/NaN, not merely large.
+SKIPPED_IN_A_ROW_TO_STOP = 32
+# How long a process waits for its peers under torchrun (NCCL's default; room for one CIFAR-10 download).
+DIST_TIMEOUT = datetime.timedelta(minutes=10)
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+MEMORY_STEPS, MEMORY_WARMUP_STEPS, OPS_SHOWN = 20, 3, 8
 
+
+# ---------------------------------------------------------------- the part to copy
+
+def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
+                clip_grad_norm=None, accum_steps=1, max_steps=None, log_every=0):
+    """Trains `model` for one pass over `loader` with AMP; returns what it measured, as a dict.
+
+    Needs `import contextlib, time, torch`. loader: any iterable of (inputs, targets), a generator too.
+    amp_dtype: torch.bfloat16 on the CPU; torch.float16 on CUDA, with scaler = torch.amp.GradScaler("cuda");
+    None for fp32. scaler=None: no loss scaling. accum_steps=K adds up the gradients of K micro-batches
+    per optimizer step (under DDP, all-reduced once); a shorter last group steps with its own mean
+    gradient. max_steps and the counts are optimizer steps. Host syncs: one at the end (two with a
+    scaler), one per progress line (log_every) and, with fp16 and a plain (not fused) optimizer, the
+    scaler's own in every step. Returns the mean loss per sample, steps, skipped_steps (inf/NaN
+    gradients), samples, seconds and loss_scale.
+    """
+    device = torch.device(device)
+    if scaler is None:
+        scaler = torch.amp.GradScaler(device.type, enabled=False)  # every call passes straight through
+    model.train()
+    loss_sum = torch.zeros((), device=device)  # summed on the device: no .item() per step
+    skipped = torch.zeros((), device=device)
+    steps = samples = pending = 0               # pending: micro-batches since the last optimizer step
+    start = time.perf_counter()
+    batches = iter(loader)
+    batch = next(batches, None)
+    while batch is not None and steps != max_steps:
+        (inputs, targets), batch = batch, next(batches, None)  # one batch ahead: is this the last?
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        pending += 1
+        step_now = pending == accum_steps or batch is None
+        # DDP all-reduces the gradients in backward: only in the one before a step, not under no_sync.
+        with contextlib.nullcontext() if step_now or not hasattr(model, "no_sync") else model.no_sync():
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = criterion(model(inputs), targets)  # autocast covers the forward pass and loss only
+            scaler.scale(loss / accum_steps).backward()   # scaled, so small fp16 gradients don't flush to 0
+        loss_sum += loss.detach().float() * len(targets)
+        samples += len(targets)
+        if not step_now:
+            continue
+        if pending < accum_steps:  # a shorter last group: the mean gradient of its own micro-batches
+            for parameter in model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(accum_steps / pending)
+        if clip_grad_norm is not None:
+            scaler.unscale_(optimizer)                    # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        scaler.step(optimizer)                            # skips the step if a gradient is inf/NaN
+        if scaler.is_enabled():  # found_inf, on the device: torch has no public way to read it without a sync
+            skipped += sum(found.to(device) for found in scaler._found_inf_per_device(optimizer).values())
+        scaler.update()                                   # halves the scale after a skip, grows it after 2000 steps
+        optimizer.zero_grad(set_to_none=True)             # frees the gradients instead of writing zeros
+        steps, pending = steps + 1, 0
+        if log_every and steps % log_every == 0:          # a host sync, once every log_every steps
+            alone = f" | rank {torch.distributed.get_rank()} alone" if torch.distributed.is_initialized() else ""
+            print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
+                  f"{samples / (time.perf_counter() - start):.0f} samples/s{alone}", flush=True)
+    loss_sum, skipped = torch.stack([loss_sum, skipped]).tolist()  # the host sync: waits for the device
+    return {"loss": loss_sum / max(samples, 1), "steps": steps, "skipped_steps": int(skipped),
+            "samples": samples, "seconds": time.perf_counter() - start,
+            "loss_scale": scaler.get_scale() if scaler.is_enabled() else None}
+
+
+@torch.inference_mode()
+def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
+    """Mean loss per sample and accuracy (argmax == target) over `loader`, under autocast."""
+    device = torch.device(device)
+    model.eval()
+    loss_sum, correct, samples = torch.zeros((), device=device), torch.zeros((), device=device), 0
+    for step, (inputs, targets) in enumerate(loader, 1):
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            outputs = model(inputs)
+            loss_sum += criterion(outputs, targets).float() * len(targets)
+        correct += (outputs.argmax(dim=1) == targets).sum()
+        samples += len(targets)
+        if step == max_steps:
+            break
+    loss_sum, correct = torch.stack([loss_sum, correct]).tolist()
+    return {"loss": loss_sum / max(samples, 1), "accuracy": correct / max(samples, 1), "samples": samples}
+
+
+# ---------------------------------------------------------------- device, precision, processes
 
 class UsageError(Exception):
-    """A mistake the user can fix; main() prints it as one line and exits 2."""
+    """A mistake the user can fix: main() prints it as one line and exits 2."""
 
 
-# ---------------------------------------------------------------- device and precision
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (torchrun stopping its workers, a job scheduler): the run ends as on Ctrl-C."""
+
+    def handler(signum, frame):
+        raise Terminated()
+
 
 def resolve_device(name):
-    """'auto' is cuda when a GPU is visible, else cpu. Under torchrun, GPU number LOCAL_RANK, or
-    the only GPU visible when the launcher gives each process its own."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
+    """cuda for 'auto' if a GPU is visible; under torchrun GPU LOCAL_RANK, or the one a process sees."""
+    if name == "cpu" or name == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu or --device auto")
-    if name == "cuda":
-        count, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
-        if local_rank >= count and (count > 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
-            raise UsageError(f"process {local_rank} has no GPU of its own: start at most "
-                             f"--nproc_per_node={count} processes on this machine")
-        return torch.device("cuda", min(local_rank, count - 1))
-    return torch.device(name)
+    count, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= count and (count > 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
+        raise UsageError(f"process {local_rank} has no GPU of its own: start at most --nproc_per_node={count}")
+    return torch.device("cuda", min(local_rank, count - 1))
 
 
 def resolve_precision(name, device):
-    """Returns the autocast dtype, or None for plain fp32. 'auto' is fp16 on CUDA, bf16 on the CPU."""
-    if name == "auto":
-        name = "fp16" if device.type == "cuda" else "bf16"
+    """fp16, bf16 or fp32: 'auto' is fp16 on CUDA (tensor cores, with a GradScaler), bf16 on the CPU."""
+    name = ("fp16" if device.type == "cuda" else "bf16") if name == "auto" else name
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError("this GPU does not support bfloat16: use --precision fp16 or --precision fp32")
-    return PRECISIONS[name]
-
-
-def precision_name(amp_dtype):
-    return {v: k for k, v in PRECISIONS.items()}[amp_dtype]
+    return name
 
 
 def make_scaler(device, amp_dtype):
-    # Only float16 needs loss scaling: its narrow exponent flushes small gradients to zero.
-    # bfloat16 has fp32's exponent range, so its scaler is a no-op pass-through.
+    # Only float16 needs loss scaling; bfloat16 has fp32's exponent range, and a disabled scaler passes through.
     return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
 
 
 def make_optimizer(model, lr):
-    """The examples' optimizer: the post's SGD (no momentum), fused. One kernel makes the whole
-    update and takes the GradScaler's inf check on the device, so scaler.step() need not wait
-    for the GPU, as it does with a plain optimizer (found_inf.item())."""
+    """The post's SGD, fused: one kernel takes the scaler's inf check too, so step() need not wait for it."""
     return torch.optim.SGD(model.parameters(), lr=lr, fused=True)
 
 
-def amp_context(device, amp_dtype):
-    """Autocast for the forward pass and loss; amp_dtype=None turns it off (fp32)."""
-    return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-
-
-def warn_if_cpu_fp16_convs(device, amp_dtype):
-    if device.type == "cpu" and amp_dtype is torch.float16:
-        print("warning: fp16 convolutions are very slow on CPUs (tens of times slower than fp32); "
-              "--precision bf16 is the fast CPU choice", file=sys.stderr)
-
-
 def init_distributed(device):
-    """Under torchrun, joins the process group its environment describes: NCCL on CUDA, gloo
-    on the CPU. Without torchrun, makes no group and the run is a plain single process."""
-    if "WORLD_SIZE" in os.environ:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        # torchrun keeps one key-value store over its restarts (--max-restarts): a restarted
-        # process that read the keys of the round before hung in gloo's set-up, or connected to a
-        # dead peer (seen here). So each round gets keys of its own.
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=DIST_TIMEOUT))
-        store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        # A bounded wait: a process whose peer died raises within DIST_TIMEOUT instead of hanging.
-        # device_id binds NCCL to this process's GPU at once (and silences its warning at barriers).
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size, timeout=DIST_TIMEOUT,
-                                device_id=device if device.type == "cuda" else None)
-
-
-def all_reduce(values, device, op=dist.ReduceOp.SUM):
-    """Sums numbers (or takes their `op`) over all processes; returns them as they are in one process."""
-    if not dist.is_initialized():
-        return list(values)
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total, op=op)
-    return total.tolist()
-
-
-def synchronize(device):
-    # CUDA runs asynchronously: wait for queued kernels before reading a clock.
+    """Under torchrun, joins its process group (NCCL on CUDA, gloo on the CPU); returns the job's id, or None."""
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        return None
+    missing = [key for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
+    if missing:
+        raise UsageError(f"{', '.join(missing)} missing: start with torchrun, or unset WORLD_SIZE and RANK")
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.set_device(device)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=DIST_TIMEOUT))
+    # torchrun keeps one key-value store over its restarts: the first process to ask names the job, and
+    # restarts find that name. Each round gets keys of its own: reading the last round's hung gloo (seen here).
+    job = store.compare_set("amp_train_job", "", os.urandom(16).hex()).decode()
+    store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # A bounded wait: a process whose peer died raises within DIST_TIMEOUT instead of hanging.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=DIST_TIMEOUT, device_id=device if device.type == "cuda" else None)
+    return job
 
 
-# ---------------------------------------------------------------- models
-
-def build_resnet18(num_classes=10):
-    """torchvision's ResNet18 with a 10-class head (the post's resnet18() had 1000 outputs), in
-    channels_last (NHWC): the layout tensor cores want, and faster on CPUs too."""
-    import torchvision
-    return torchvision.models.resnet18(num_classes=num_classes).to(memory_format=torch.channels_last)
-
-
-def build_linear(in_features=10, out_features=1):
-    return nn.Linear(in_features, out_features)
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 # ---------------------------------------------------------------- data
 
 class DeviceLoader:
-    """Batches of (inputs, targets) from tensors held on the device: no worker processes and
-    no copy from the host per batch, so a GPU never waits for its data.
+    """Batches of (inputs, targets) made from tensors held on the device: no worker, no copy per batch.
+    Each of `world_size` processes takes a shard: equal ones with `shuffle`, every sample once without.
+    The order and `transform(inputs, generator)` depend on (seed, epoch) alone: call set_epoch(epoch)."""
 
-    Each of `world_size` processes takes its own shard. With `shuffle`, the order and the
-    randomness of `transform(inputs, generator)` depend on (seed, epoch) alone: call
-    set_epoch(epoch) before each epoch, and a resumed run sees the same batches.
-    """
-
-    def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False,
-                 seed=0, rank=0, world_size=1):
+    def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False, seed=0, rank=0,
+                 world_size=1):
         self.inputs, self.targets = inputs.to(device), targets.to(device)
         self.batch_size, self.transform, self.shuffle = batch_size, transform, shuffle
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
@@ -199,15 +207,14 @@ class DeviceLoader:
 
     def __iter__(self):
         n, device = len(self.targets), self.targets.device
-        # The CPU generator keeps 32 bits of its seed; seeds of nearby runs and epochs stay apart.
-        seed = (self.seed * 1_000_003 + self.epoch) % 2**32
+        seed = (self.seed * 1_000_003 + self.epoch) % 2**32  # a generator keeps 32 bits of its seed
         shuffle = torch.Generator(device).manual_seed(seed)
         augment = torch.Generator(device).manual_seed((seed + 7919 * (self.rank + 1)) % 2**32)  # per process
-        if self.shuffle:  # the same permutation on every process, cut into equal shards
-            order = torch.randperm(n, generator=shuffle, device=device)
-            order = order[self.rank:n - n % self.world_size:self.world_size]
-        else:             # every sample once over all processes
-            order = torch.arange(self.rank, n, self.world_size, device=device)
+        if self.shuffle:  # the same permutation in every process, cut into equal shards
+            order = torch.randperm(n, generator=shuffle, device=device)[:n - n % self.world_size]
+        else:
+            order = torch.arange(n, device=device)
+        order = order[self.rank::self.world_size]
         for start in range(0, len(order), self.batch_size):
             index = order[start:start + self.batch_size]
             inputs = self.inputs[index]
@@ -215,8 +222,7 @@ class DeviceLoader:
 
 
 def random_crop_flip(images, generator):
-    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip for a batch at once: each
-    image becomes a random 32x32 window of itself zero-padded by 4, mirrored with probability 1/2."""
+    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, for a whole batch at once."""
     n, device = len(images), images.device
     padded = F.pad(images, (4, 4, 4, 4))
     dy, dx = torch.randint(0, 9, (2, n, 1), generator=generator, device=device)
@@ -228,250 +234,372 @@ def random_crop_flip(images, generator):
 
 
 def cifar10_transform(device, augment):
-    """uint8 images -> float images normalized with CIFAR-10's mean and std (after a random
-    crop and flip if `augment`), channels_last: the layout tensor cores want for convolutions."""
+    """uint8 -> normalized float images (cropped and flipped if `augment`), channels_last for tensor cores."""
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(3, 1, 1) * 255
 
     def transform(images, generator):
-        if augment:
-            images = random_crop_flip(images, generator)
+        images = random_crop_flip(images, generator) if augment else images
         return ((images.float() - mean) / std).contiguous(memory_format=torch.channels_last)
     return transform
 
 
 def synthetic_cifar10(size, seed=0, train=True):
-    """CIFAR-10-shaped uint8 images (size x 3 x 32 x 32) and labels that can be learned, offline.
-
-    Each class is a fixed smooth random pattern; an image is its class's pattern plus noise.
-    Seeded; train and test are different draws.
-    """
+    """CIFAR-10-shaped uint8 images and labels to learn offline: a smooth pattern per class, plus noise."""
     g = torch.Generator().manual_seed(seed)
-    coarse = torch.randn(10, 3, 4, 4, generator=g)
-    patterns = F.interpolate(coarse, size=(32, 32), mode="bilinear", align_corners=False)
+    patterns = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=(32, 32), mode="bilinear")
     g.manual_seed(seed * 2 + (1 if train else 2))
     labels = torch.randint(0, 10, (size,), generator=g)
     images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=g)
     return (images * 48 + 128).clamp(0, 255).to(torch.uint8), labels
 
 
-def cifar10(root, train, download=True):
-    """CIFAR-10's uint8 images (N x 3 x 32 x 32) and labels from torchvision; downloads into `root` when missing."""
-    import torchvision
-    try:
-        data = torchvision.datasets.CIFAR10(root, train=train, download=download)
-    except (OSError, RuntimeError) as e:  # URLError is an OSError; a corrupt folder is a RuntimeError
-        raise UsageError(
-            f"CIFAR-10 is not in {os.path.abspath(root)} and could not be downloaded ({e}): "
-            f"put cifar-10-python.tar.gz in that folder, or run with --data synthetic") from None
-    return torch.from_numpy(data.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(data.targets)
-
-
-def cifar10_once_per_machine(root):
-    """(train, test) CIFAR-10 tensors. Under torchrun only local rank 0 of each machine may
-    download (processes downloading into one folder at once overwrite each other's archive):
-    global rank 0 first, in case the machines share `root`, then the other machines' local
-    rank 0, each turn ended by a barrier; then the others read their files."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    local_rank, data, error = int(os.environ.get("LOCAL_RANK", "0")), None, None
-    for my_turn in (rank == 0, rank != 0 and local_rank == 0):
+def cifar10(root):
+    """CIFAR-10's (train, test) uint8 images and labels, downloaded into `root` when missing: by one process
+    per machine (two corrupt one archive), global rank 0 first (machines may share `root`), then the rest."""
+    import torchvision  # here, not at the top: it takes seconds to import, and the linear example needs none
+    rank, error = rank_and_world()[0], None
+    for my_turn in (rank == 0, rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0"):
         if my_turn:
             try:
-                data = cifar10(root, train=True), cifar10(root, train=False)
-            except UsageError as e:
-                error = e  # raised after the barrier, so that no process waits for this one in vain
+                torchvision.datasets.CIFAR10(root, download=True)
+            except (OSError, RuntimeError) as e:  # URLError is an OSError; a corrupt archive a RuntimeError
+                error = e
         if dist.is_initialized():
-            dist.barrier()
-    if error:
-        raise error
-    return data or (cifar10(root, train=True, download=False), cifar10(root, train=False, download=False))
+            dist.barrier()  # each turn ends when every process got there
+    try:
+        sets = [torchvision.datasets.CIFAR10(root, train=train) for train in (True, False)]
+    except (OSError, RuntimeError) as e:
+        raise UsageError(f"CIFAR-10 is not in {os.path.abspath(root)} and could not be downloaded ({error or e}): "
+                         "put cifar-10-python.tar.gz in that folder, or run with --data synthetic") from None
+    return [(torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(s.targets)) for s in sets]
 
 
-def image_loaders(data, root, batch_size, device, seed=0, rank=0, world_size=1):
-    """(train, test) DeviceLoaders over CIFAR-10 in `root` or, for data="synthetic", its stand-in.
-    Training images are randomly cropped and flipped on the device, per batch."""
-    if data == "synthetic":
-        train, test = (synthetic_cifar10(size, seed, split) for size, split in
-                       ((SYNTHETIC_TRAIN_SIZE, True), (SYNTHETIC_TEST_SIZE, False)))
-    else:
-        train, test = cifar10_once_per_machine(root)
-    return (DeviceLoader(*train, batch_size, device, cifar10_transform(device, augment=True), shuffle=True,
-                         seed=seed, rank=rank, world_size=world_size),
-            DeviceLoader(*test, batch_size, device, cifar10_transform(device, augment=False),
+def build_example(args, device, rank=0, world_size=1):
+    """Model, loss, train and test loader (None for linear) of args.example, each process with its shard."""
+    if args.example == "linear":  # the post's one fixed batch, seeded, shared out among the processes
+        g = torch.Generator().manual_seed(args.seed)
+        x, y = torch.randn(args.batch_size, 10, generator=g), torch.randn(args.batch_size, 1, generator=g)
+        loader = DeviceLoader(x, y, args.batch_size, device, rank=rank, world_size=world_size)
+        return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, None
+    train, test = ((synthetic_cifar10(10_000, args.seed), synthetic_cifar10(2_000, args.seed, train=False))
+                   if args.data == "synthetic" else cifar10(args.data_root))
+    import torchvision
+    resnet18 = torchvision.models.resnet18(num_classes=10)  # the post's had 1000 classes
+    return (resnet18.to(device, memory_format=torch.channels_last), nn.CrossEntropyLoss(),
+            DeviceLoader(*train, args.batch_size, device, cifar10_transform(device, augment=True), shuffle=True,
+                         seed=args.seed, rank=rank, world_size=world_size),
+            DeviceLoader(*test, args.batch_size, device, cifar10_transform(device, augment=False),
                          rank=rank, world_size=world_size))
 
 
-def linear_batch(batch_size=DEFAULT_BATCH_SIZE, seed=0):
-    """The post's fixed batch: x of batch_size x 10 and y of batch_size x 1, seeded."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch_size, 10, generator=g), torch.randn(batch_size, 1, generator=g)
+# ---------------------------------------------------------------- the run folder: checkpoint and metrics
+
+def open_run_dir(folder, resume, job, example):
+    """Takes the run folder before any training; returns (its lock, the checkpoint to go on from or None).
+    The lock (flock: the kernel lets go when the process dies) keeps a second run out. A torchrun restart
+    of the job that owns the folder goes on by itself, from its checkpoint or from the start; any other
+    run needs --resume for a checkpoint, and starts only where no other run's files lie."""
+    checkpoint, metrics = os.path.join(folder, "checkpoint.pt"), os.path.join(folder, "metrics.jsonl")
+    if resume and not os.path.isdir(folder):
+        raise UsageError(f"there is no run in {folder}: run without --resume to start one")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        lock = open(os.path.join(folder, "lock"), "a+")
+    except OSError as e:
+        raise UsageError(f"--run-dir {folder}: {os_error(e)}: pass a folder you can write") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        for path in (checkpoint, metrics):
+            if os.path.islink(path) or os.path.lexists(path) and not os.path.isfile(path):
+                raise UsageError(f"{path} is not a regular file: a run folder holds this program's files only")
+        lock.seek(0)
+        own = job is not None and lock.read() == job  # the job that wrote this folder, restarted by torchrun
+        saved, logged = os.path.exists(checkpoint), os.path.exists(metrics) and os.path.getsize(metrics) > 0
+        if saved and not (resume or own):
+            raise UsageError(f"{folder} holds a checkpoint: add --resume to go on with it, or pass another --run-dir")
+        if logged and not saved and not own:
+            raise UsageError(f"{folder} holds metrics but no checkpoint: its run stopped before it saved an epoch; "
+                             f"delete {metrics} to start again there, or pass another --run-dir")
+        if resume and not saved and not own:
+            raise UsageError(f"there is no checkpoint in {folder}: run without --resume to start one")
+        state = load_checkpoint(checkpoint, example) if saved else None
+        if saved:
+            open(checkpoint, "ab").close()  # each write this run will make is tried before its first epoch
+        torn = cut_metrics(metrics, state["epoch"] if state else 0)  # through metrics.jsonl.tmp, as checkpoints
+        lock.truncate(0)
+        lock.write(job or "")  # this run owns the folder now
+        lock.flush()
+    except BaseException as e:
+        lock.close()
+        if isinstance(e, BlockingIOError):
+            raise UsageError(f"another run is using {folder}: wait for it to end, or pass another --run-dir") from None
+        if isinstance(e, OSError):
+            raise UsageError(f"cannot write in {folder} ({os_error(e)}): pass another --run-dir") from None
+        raise
+    if torn:
+        print(f"note: dropped {torn} unreadable lines of {metrics} (torn by a crash or a full disk)")
+    return lock, state
 
 
-# ---------------------------------------------------------------- training and evaluation
-
-@dataclass
-class EpochStats:
-    loss: float               # mean training loss per sample (inf/NaN if any step's loss was)
-    steps: int                # optimizer steps attempted
-    skipped_steps: int        # steps the GradScaler skipped because gradients held inf/NaN
-    nonfinite_losses: int     # steps whose loss was inf/NaN (reported, never raised)
-    samples: int
-    seconds: float
-    loss_scale: float | None  # the GradScaler's scale at the end, None when it is off
+def os_error(e):
+    return f"{e.strerror or e}" + ("; free some space" if e.errno == errno.ENOSPC else "")
 
 
-@dataclass
-class EvalStats:
-    loss: float
-    accuracy: float           # fraction of samples whose argmax is the target
-    samples: int
+def replace_file(path, write):
+    """Writes a file whole or not at all: write(f) into PATH.tmp, flushed to the disk, renamed over PATH."""
+    try:
+        with open(f"{path}.tmp", "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename: a power loss leaves the old file or the new
+        os.replace(f"{path}.tmp", path)
+    except BaseException:  # a full disk, Ctrl-C: no half-written PATH.tmp stays behind
+        with contextlib.suppress(OSError):
+            os.remove(f"{path}.tmp")
+        raise
 
 
-def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
-                clip_grad_norm=None, accum_steps=1, max_steps=None, log_every=0):
-    """One pass over `loader` with AMP; returns EpochStats.
+def cut_metrics(path, epochs):
+    """Keeps the metrics lines of epochs 1 to `epochs`; returns how many unreadable lines it dropped."""
+    kept, torn = [], 0
+    with open(path, "ab+") as f:  # created when missing
+        f.seek(0)
+        for line in f:
+            try:
+                if json.loads(line)["epoch"] <= epochs:
+                    kept.append(line.rstrip(b"\n") + b"\n")
+            except (ValueError, KeyError, TypeError):
+                torn += 1
+    replace_file(path, lambda f: f.writelines(kept))
+    return torn
 
-    Works for any model, any sized iterable of (inputs, targets) and any loss.
-    amp_dtype=None is plain fp32. With accum_steps=K, gradients of K
-    micro-batches add up before each optimizer step (under DDP, all-reduced
-    once per step); `max_steps` and the step counts count optimizer steps.
-    The host syncs are one at the end, one every `log_every` steps when a
-    progress line was asked for, and, with fp16 and a plain (not fused)
-    optimizer, the scaler's own in every scaler.step().
-    """
-    model.train()
 
-    def optimizer_step():
-        if clip_grad_norm is not None:
-            scaler.unscale_(optimizer)         # clip the true gradients, not the scaled ones
-            nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        scaler.step(optimizer)                 # unscales (unless done) and skips the step on inf/NaN
-        if scaler.is_enabled():                # count skips from found_inf, on the device: no sync, and
-            skipped.add_(sum(scaler._found_inf_per_device(optimizer).values()))  # right for fused optimizers
-        scaler.update()                        # halves the scale after a skip, grows it after a good run
-        optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros
+def load_checkpoint(path, example):
+    """A checkpoint of `example` written by this program; a damaged or foreign file is a UsageError."""
+    try:
+        # weights_only: a checkpoint from elsewhere is untrusted input, and this never runs pickled code.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        fits = state["format"] == CHECKPOINT_FORMAT and all(
+            isinstance(state[key], kind) and type(state[key]) is not bool for key, kind in CHECKPOINT_FIELDS.items())
+    except Exception as e:  # truncated, not a torch file, holding more than tensors and plain types, a field missing
+        raise UsageError(f"{path} is not a readable checkpoint of amp_train.py ({type(e).__name__}): "
+                         "start again in another --run-dir") from None
+    if not fits or state["epoch"] < 0 or state["processes"] < 1:
+        raise UsageError(f"{path} is damaged, or of another version of amp_train.py: start again in another --run-dir")
+    if state["example"] != example:
+        raise UsageError(f"{path} is a checkpoint of the {state['example']} example: pass --example {state['example']}")
+    return state
 
-    loss_sum = torch.zeros((), device=device)  # summed on the device: no .item() per step
-    nonfinite = torch.zeros((), dtype=torch.long, device=device)
-    skipped = torch.zeros((), device=device)
-    steps = samples = pending = 0              # pending: micro-batches since the last optimizer step
-    start = time.perf_counter()
-    for index, (inputs, targets) in enumerate(loader, 1):
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        if pending == 0:  # the micro-batches of this optimizer step: K, or what is left of the loader
-            group = min(accum_steps, len(loader) - index + 1)
-        # DDP all-reduces the gradients in every backward: skip that (no_sync, around forward
-        # and backward) for all but the last micro-batch before an optimizer step.
-        last = pending + 1 == group
-        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
-            with amp_context(device, amp_dtype):  # autocast covers forward and loss only
-                loss = criterion(model(inputs), targets)
-            # Backward outside autocast, on the scaled loss so fp16 gradients don't underflow;
-            # divided by the group's size so that its micro-batches give the mean gradient.
-            scaler.scale(loss / group).backward()
-        loss = loss.detach().float()
-        loss_sum += loss * len(targets)
-        nonfinite += ~torch.isfinite(loss)
-        samples += len(targets)
-        pending += 1
-        if not last:
+
+def resume_args(argv, state, device):
+    """The checkpoint's run flags, but those given again; a note for each given one that changes the run."""
+    saved = state["args"]
+    before = [f"--{key.replace('_', '-')}={saved[key]}" for key in RUN_FLAGS if saved.get(key) is not None]
+    try:  # the checkpoint's values pass the command line's checks
+        parse_args(before)
+    except UsageError as e:
+        raise UsageError(f"the checkpoint holds flags this program refuses ({e})") from None
+    args = parse_args(before + argv)
+    args.precision = resolve_precision(args.precision, device)
+    notes = []
+    for key in RUN_FLAGS:
+        value, old = getattr(args, key), saved.get(key)
+        if value == old or key == "epochs" or key == "data" and args.example == "linear":
             continue
-        optimizer_step()
-        steps += 1
-        pending = 0
-        if log_every and steps % log_every == 0:  # a host sync, once every log_every steps
-            elapsed = time.perf_counter() - start
-            where = f" | rank {dist.get_rank()} alone" if dist.is_initialized() else ""
-            print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
-                  f"{samples / elapsed:.0f} samples/s{where}", flush=True)
-        if steps == max_steps:
-            break
-    synchronize(device)
-    seconds = time.perf_counter() - start
-    return EpochStats(
-        loss=loss_sum.item() / max(samples, 1),
-        steps=steps,
-        skipped_steps=int(skipped.item()),
-        nonfinite_losses=int(nonfinite.item()),
-        samples=samples,
-        seconds=seconds,
-        loss_scale=scaler.get_scale() if scaler.is_enabled() else None)
+        if key == "data":
+            raise UsageError(f"the checkpoint was trained on --data {old}: resume it on the same data")
+        notes.append(f"note: --{key.replace('_', '-')} {value} replaces the checkpoint's {old}")
+    return args, notes
 
 
-@torch.inference_mode()
-def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
-    """Mean loss and accuracy over `loader`, under inference_mode and autocast."""
-    model.eval()
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), dtype=torch.long, device=device)
-    samples = 0
-    for step, (inputs, targets) in enumerate(loader, 1):
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-        with amp_context(device, amp_dtype):
-            outputs = model(inputs)
-            loss_sum += criterion(outputs, targets).float() * len(targets)
-        correct += (outputs.argmax(dim=1) == targets).sum()
-        samples += len(targets)
-        if step == max_steps:
-            break
-    return EvalStats(loss=loss_sum.item() / max(samples, 1),
-                     accuracy=correct.item() / max(samples, 1), samples=samples)
+def restore(state, model, optimizer, scheduler, scaler, lr):
+    """Loads a checkpoint's states in place, with `lr` as the schedule's new base."""
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+            scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:  # a new --lr rescales the schedule, which goes on from here
+            group["lr"] *= lr / group.get("initial_lr", group["lr"])
+            if "initial_lr" in group:
+                group["initial_lr"] = lr
+        if scaler.is_enabled() and state["scaler"]:  # only fp16 to fp16 has a loss scale to keep
+            scaler.load_state_dict(state["scaler"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:
+        raise UsageError(f"the checkpoint does not fit this run ({' '.join(str(e).split())}): "
+                         "start again in another --run-dir") from None
 
 
-# ---------------------------------------------------------------- measuring memory and speed
+def write_epoch(args, record, state):
+    """Appends the epoch's metrics line (inf and NaN as null), then saves its checkpoint `state`, if any."""
+    line = json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
+                       for key, value in record.items()})
+    try:
+        with open(os.path.join(args.run_dir, "metrics.jsonl"), "a") as f:
+            f.write(line + "\n")
+        if state is not None:
+            replace_file(os.path.join(args.run_dir, "checkpoint.pt"), lambda f: torch.save(state, f))
+    except OSError as e:
+        raise UsageError(f"could not write in {args.run_dir} ({os_error(e)}); {kept(args)}") from None
 
-def is_weight_copy(tensor, params):
-    # autocast's low-precision copy of a parameter, or a view of one (Linear saves weight.t()):
-    # follow single-input autograd nodes (casts, views) back to a parameter's AccumulateGrad.
-    fn = tensor.grad_fn
-    while fn is not None and len(fn.next_functions) == 1:
-        fn = fn.next_functions[0][0]
-    return hasattr(fn, "variable") and fn.variable.untyped_storage().data_ptr() in params
 
+def kept(args):
+    """What the run folder holds: the last words of a run that stops."""
+    folder, epoch = getattr(args, "run_dir", None), getattr(args, "saved_epoch", None)
+    return (f"{folder} holds epoch {epoch}" if epoch else f"nothing was saved in {folder}" if folder
+            else "nothing is saved without --run-dir")
+
+
+# ---------------------------------------------------------------- the training examples
+
+def epoch_problem(record, steps, skipped_in_a_row, model):
+    """Why this epoch must not be saved, and whether the run must stop: (reason, stop), or (None, False).
+    Skipped fp16 steps are the scaler doing its job, until it has skipped everything for a long while."""
+    tensors = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()  # one host sync
+    bad = next((name for name, ok in zip(tensors, finite) if not ok), None)
+    if skipped_in_a_row >= max(steps, SKIPPED_IN_A_ROW_TO_STOP):
+        return f"the GradScaler skipped all of the last {skipped_in_a_row} steps (inf/NaN gradients)", True
+    if not math.isfinite(record["train_loss"]) and record["precision"] != "fp16":
+        return f"the mean training loss is {record['train_loss']} under {record['precision']}", True
+    if bad:  # NaN weights, or BatchNorm statistics of an inf batch, stay NaN for good
+        return f"the model's {bad} holds inf/NaN", True
+    for name, loss in (("training", record["train_loss"]), ("test", record.get("test_loss", 0.0))):
+        if not math.isfinite(loss):  # in fp16 the scaler skipped that step, and the run goes on
+            return f"its mean {name} loss is {loss}", False
+    return None, False
+
+
+def epoch_record(args, epoch, lr, stats, model, test_loader, criterion, device, world_size):
+    """An epoch's metrics, summed over all processes: what its log line and the metrics file show."""
+    ev = evaluate(model, test_loader, criterion, device, PRECISIONS[args.precision], args.max_steps) \
+        if test_loader is not None else {"loss": 0.0, "accuracy": 0.0, "samples": 0}
+    sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"], ev["loss"] * ev["samples"],
+                         ev["accuracy"] * ev["samples"], ev["samples"]], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    loss_sum, samples, test_loss_sum, correct, test_samples = sums.tolist()
+    record = {"example": args.example, "precision": args.precision, "epoch": epoch + 1,
+              "train_loss": loss_sum / max(samples, 1)}
+    if test_loader is not None:
+        record.update(test_loss=test_loss_sum / test_samples, test_accuracy=correct / test_samples)
+    return {**record, "lr": lr, "loss_scale": stats["loss_scale"], "skipped_steps": stats["skipped_steps"],
+            "samples_per_second": samples / max(stats["seconds"], 1e-9), "seconds": stats["seconds"],
+            "processes": world_size}
+
+
+def epoch_line(record, epochs):
+    line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs} | train loss {record['train_loss']:.4f}"
+    if "test_loss" in record:
+        line += f" | test loss {record['test_loss']:.4f} | test acc {100 * record['test_accuracy']:5.2f}%"
+    scale = "off" if record["loss_scale"] is None else f"{record['loss_scale']:g}"
+    unit = "samples" if record["example"] == "linear" else "img"
+    return (f"{line} | lr {record['lr']:.4g} | scale {scale} | skipped {record['skipped_steps']} | "
+            f"{record['samples_per_second']:.0f} {unit}/s | {record['seconds']:.3f} s")
+
+
+def run_training(args, device, state=None, notes=()):
+    """The resnet and linear examples: train, evaluate, print and (with --run-dir) save each epoch. Returns 0,
+    or 1 when training stopped on inf/NaN. Under torchrun DDP wraps the model; rank 0 alone writes."""
+    rank, world_size = rank_and_world()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    amp_dtype, linear = PRECISIONS[args.precision], args.example == "linear"
+    torch.manual_seed(args.seed)
+    model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
+    optimizer = make_optimizer(model, args.lr)
+    scheduler = None if linear else torch.optim.lr_scheduler.StepLR(optimizer, LR_STEP_EPOCHS, LR_GAMMA)
+    scaler = make_scaler(device, amp_dtype)
+    notes, start_epoch = list(notes), 0
+    # The linear example's one fixed batch is shared out among the processes; resnet's batch is per process.
+    batch = args.batch_size if linear else args.batch_size * args.accum_steps * world_size
+    if state is not None:
+        restore(state, model, optimizer, scheduler, scaler, args.lr)
+        start_epoch = state["epoch"]
+        if state["processes"] != world_size:
+            notes.append(f"note: {world_size} processes replace the checkpoint's {state['processes']}: "
+                         f"global batch {batch}, was {state['global_batch']}")
+        notes.append(f"resumed from {args.run_dir} after epoch {start_epoch}")
+    trained = model  # checkpoints hold the unwrapped model, so they resume with or without torchrun
+    if world_size > 1:  # DDP averages the gradients in backward: every process's scaler sees the same ones
+        trained = nn.parallel.DistributedDataParallel(model)  # on the model's one device
+    steps_per_epoch = math.ceil(min(len(train_loader), (args.max_steps or len(train_loader)) * args.accum_steps)
+                                / args.accum_steps)
+    accumulated = f" x {args.accum_steps} accumulated" if args.accum_steps > 1 else ""
+    log(f"amp_train | example {args.example} | torch {torch.__version__} | device {device} | precision "
+        f"{args.precision} | scaler {'on' if scaler.is_enabled() else 'off'} | model "
+        f"{'linear(10->1)' if linear else 'resnet18'} | data {'fixed batch' if linear else args.data} | batch "
+        f"{-(-args.batch_size // world_size) if linear else args.batch_size}{accumulated} | processes "
+        f"{world_size} | global batch {batch} | epochs {args.epochs} | steps/epoch {steps_per_epoch}", flush=True)
+    for note in notes:
+        log(note, flush=True)
+    if start_epoch >= args.epochs:
+        log(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
+        return 0
+    log_every = 50 if steps_per_epoch >= 100 and rank == 0 else 0
+    skipped_in_a_row = 0
+    for epoch in range(start_epoch, args.epochs):
+        train_loader.set_epoch(epoch)  # the order and the crops depend on (seed, epoch) alone
+        lr = optimizer.param_groups[0]["lr"]
+        stats = train_epoch(trained, train_loader, optimizer, criterion, scaler, device, amp_dtype,
+                            args.clip_grad_norm, args.accum_steps, args.max_steps, log_every)
+        for buffer in model.buffers() if world_size > 1 else ():
+            dist.broadcast(buffer, src=0)  # BatchNorm's statistics: all evaluate (and save) rank 0's model
+        record = epoch_record(args, epoch, lr, stats, model, test_loader, criterion, device, world_size)
+        log(epoch_line(record, args.epochs), flush=True)
+        skipped_in_a_row = skipped_in_a_row + stats["steps"] if stats["skipped_steps"] == stats["steps"] else 0
+        problem, stop = epoch_problem(record, stats["steps"], skipped_in_a_row, model)
+        if scheduler is not None and stats["skipped_steps"] < stats["steps"]:
+            scheduler.step()  # once per epoch, and only after an epoch in which the optimizer stepped
+        if args.run_dir and rank == 0:  # all a resumed run needs to go on as if it never stopped
+            write_epoch(args, record, None if problem else {
+                "format": CHECKPOINT_FORMAT, "example": args.example, "epoch": epoch + 1, "processes": world_size,
+                "global_batch": batch, "args": {key: getattr(args, key) for key in RUN_FLAGS},
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler and scheduler.state_dict(), "scaler": scaler.state_dict()})  # {} when off
+        args.saved_epoch = args.saved_epoch if problem or not args.run_dir else epoch + 1
+        if stop:
+            log(f"error: epoch {epoch + 1}: {problem}; {kept(args)}; try a lower --lr or --clip-grad-norm",
+                file=sys.stderr)
+            return 1
+        if problem:
+            log(f"note: epoch {epoch + 1} is not saved, {problem}; {kept(args)}", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- the memory example
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Bytes autograd saves for backward inside the block; the yielded dict is filled on exit.
-
-    'activation_bytes': what the forward pass keeps for backward; this grows with
-    the batch and is what autocast halves. 'weight_copy_bytes': autocast's
-    low-precision copies of the weights (0 in fp32); their size is fixed.
-    'activation_bytes_by_dtype' splits the first by dtype: what does not halve.
-    The parameters themselves exist anyway and are not counted. Works on any
-    device; a storage saved twice counts once.
-    """
+    """Bytes that autograd saves for backward inside the block, filled in on exit: activations (they grow
+    with the batch; autocast halves them), by dtype, and autocast's weight copies (0 in fp32). The
+    parameters exist anyway and are not counted; a storage saved twice counts once."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}  # data_ptr -> (bytes, is a weight copy, dtype)
+    storages = {}  # data_ptr -> (bytes, its dtype or "copy")
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
+        storage, fn = tensor.untyped_storage(), tensor.grad_fn
+        while fn is not None and len(fn.next_functions) == 1:  # casts and views (Linear saves weight.t())...
+            fn = fn.next_functions[0][0]
+        copy = hasattr(fn, "variable") and fn.variable.untyped_storage().data_ptr() in params  # ...of a weight
         if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = (storage.nbytes(), is_weight_copy(tensor, params), dtype_name(tensor))
+            storages[storage.data_ptr()] = storage.nbytes(), "copy" if copy else str(tensor.dtype)[6:]
         return tensor
 
-    counts = {}
+    counts, by_kind = {}, collections.Counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield counts
-    by_dtype = collections.Counter()
-    for n, copy, dtype in storages.values():
-        if not copy:
-            by_dtype[dtype] += n
-    counts["activation_bytes"] = sum(by_dtype.values())
-    counts["weight_copy_bytes"] = sum(n for n, copy, _ in storages.values() if copy)
-    counts["activation_bytes_by_dtype"] = dict(by_dtype.most_common())
-
-
-def dtype_name(tensor):
-    return str(tensor.dtype).removeprefix("torch.")
+    for n, kind in storages.values():
+        by_kind[kind] += n
+    counts["weight_copy_bytes"] = by_kind.pop("copy", 0)
+    counts["activation_bytes"] = sum(by_kind.values())
+    counts["activation_bytes_by_dtype"] = dict(by_kind.most_common())
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the aten ops that run inside the block (forward, backward and optimizer step)
-    by the dtype they computed in, that of their first floating output (or input, for ops
-    that write in place and return nothing): {dtype: Counter({op name: calls})}. Views,
-    which compute nothing, are not counted."""
+    """Counts the aten ops run inside the block, but views, by the dtype they computed in (that of their
+    first floating output, or input for ops in place): {dtype: Counter({op: calls})}."""
 
     def __init__(self):
         super().__init__()
@@ -479,581 +607,178 @@ class CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        floating = [t for t in tree_leaves((out, args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if floating and not func.is_view and func.overloadpacket.__name__ != "_local_scalar_dense":  # not .item()
-            self.counts[dtype_name(floating[0])][func.overloadpacket.__name__] += 1
+        floating = [t for t in tree_leaves((out, args, kwargs)) if torch.is_tensor(t) and t.is_floating_point()]
+        if floating and not func.is_view:
+            self.counts[str(floating[0].dtype)[6:]][func.overloadpacket.__name__] += 1
         return out
 
 
-def measure_training(build_model, batch, criterion, device, amp_dtype,
-                     steps=MEMORY_STEPS, warmup=MEMORY_WARMUP_STEPS, seed=0, lr=DEFAULT_LR):
-    """Trains a fresh, seeded model on one fixed batch with train_epoch and returns what it measured.
-
-    `warmup` untimed steps, one step whose saved tensors are counted, then
-    `steps` timed steps, over which the CUDA peak memory is taken.
-    """
-    torch.manual_seed(seed)
-    model = build_model().to(device)
-    optimizer = make_optimizer(model, lr)
-    scaler = make_scaler(device, amp_dtype)
-
-    def step():  # train_epoch synchronizes before it reads the clock
-        return train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
-
+def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_STEPS,
+                     warmup=MEMORY_WARMUP_STEPS, lr=LR):
+    """Trains a copy of `model` on one batch: `warmup` steps, one whose saved tensors and ops are counted,
+    then `steps` timed ones, over which the CUDA peak memory is taken. Returns what it measured."""
+    model = copy.deepcopy(model)
+    optimizer, scaler = make_optimizer(model, lr), make_scaler(device, amp_dtype)
     for _ in range(warmup):
-        step()
-    with count_saved_tensors(model) as saved, CountOps() as ops:
-        step()
+        train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
+    inputs, targets = batch
+    with count_saved_tensors(model) as saved, CountOps() as ops:  # the docs' AMP step alone
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = criterion(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()  # so the reserved peak is this run's, not the cache of the run before
         torch.cuda.reset_peak_memory_stats(device)
-    timed = [step() for _ in range(steps)]
-    return {
-        "activation_bytes": saved["activation_bytes"],
-        "weight_copy_bytes": saved["weight_copy_bytes"],
-        "activation_bytes_by_dtype": saved["activation_bytes_by_dtype"],
-        "ops": {dtype: {"calls": sum(ops.values()), "top": dict(ops.most_common(OPS_SHOWN))}
-                for dtype, ops in sorted(ops.counts.items(), key=lambda item: -sum(item[1].values()))},
-        "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        # Reserved memory is what the caching allocator holds, and what runs out.
-        "reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
-        "step_seconds": statistics.median(s.seconds for s in timed),
-        "final_loss": timed[-1].loss,
-    }
+    timed = [train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype) for _ in range(steps)]
+    seconds = [s["seconds"] for s in timed]
+    return {**saved,
+            "ops": {dtype: {"calls": sum(ops.values()), "top": dict(ops.most_common(OPS_SHOWN))}
+                    for dtype, ops in sorted(ops.counts.items(), key=lambda item: -sum(item[1].values()))},
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+            # Reserved memory is what the caching allocator holds, and what runs out.
+            "reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+            "step_seconds": statistics.median(seconds), "step_seconds_min": min(seconds),
+            "step_seconds_max": max(seconds), "final_loss": timed[-1]["loss"]}
 
 
-# ---------------------------------------------------------------- checkpoints
-
-def checkpoint_state(args, amp_dtype, epochs_done, model, optimizer, scheduler, scaler, device):
-    """Everything a resumed run needs to continue as if it never stopped: tensors and plain types only."""
-    return {
-        "format": CHECKPOINT_FORMAT, "example": args.example, "precision": precision_name(amp_dtype),
-        "args": dict(vars(args)), "epoch": epochs_done,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "scaler": scaler.state_dict(),  # the loss scale and growth tracker; {} when the scaler is off
-        "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None},
-        "torchrun_job": os.environ.get("TORCHELASTIC_RUN_ID"),  # see torchrun_restart
-    }
-
-
-def save_checkpoint(path, state):
-    """Writes to a temporary file beside `path`, then renames it into place: a crash while
-    writing leaves the last good checkpoint whole."""
-    tmp = f"{path}.tmp"
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # atomic when both names are on one file system
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise UsageError(f"could not write the checkpoint {path} ({str(e).splitlines()[0]}); the last one "
-                         "is intact: free some space, or pass another --checkpoint and --resume") from None
-
-
-def check_new_file(path, flag, resuming):
-    """Refuses, before any training, a `flag` PATH that could not be written later, or that
-    exists although the run does not resume (nothing already saved is overwritten)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path} is a folder: pass a file path")
-    if os.path.exists(path) and not resuming:
-        raise UsageError(f"{path} already exists: add --resume to continue its run, or pass another {flag}")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(f"{flag} {path}: the folder {folder} does not exist or is not writable: "
-                         f"create it, or pass another {flag}")
-
-
-def load_checkpoint(path, example):
-    """Reads a checkpoint of `example`; a missing, damaged or foreign file is a UsageError."""
-    if not os.path.isfile(path):
-        raise UsageError(f"there is no checkpoint at {path}: run without --resume to start one")
-    try:
-        # weights_only: a checkpoint from elsewhere is untrusted input, and this never runs pickled code.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, not a torch file, or holding more than tensors and plain types
-        raise UsageError(f"{path} is not a readable checkpoint ({type(e).__name__}): "
-                         "pass another --checkpoint, or start again without --resume") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"{path} was not written by amp_train.py: pass one of its checkpoints to --resume")
-    for key, kind in CHECKPOINT_FIELDS.items():
-        if not isinstance(state.get(key), kind) or isinstance(state[key], bool):  # True is no epoch count
-            raise UsageError(f"{path} is damaged: its {key!r} is missing or not a {kind.__name__}: "
-                             "pass another --checkpoint, or start again without --resume")
-    if state["epoch"] < 0 or state["precision"] not in PRECISIONS:
-        raise UsageError(f"{path} is damaged: epoch {state['epoch']}, precision {state['precision']!r}: "
-                         "pass another --checkpoint, or start again without --resume")
-    if state["example"] != example:
-        raise UsageError(f"{path} is a checkpoint of the {state['example']} example, not {example}: "
-                         f"pass --example {state['example']} or another --checkpoint")
-    return state
-
-
-def append_metrics(path, record):
-    """Appends one epoch's record to the metrics file as a JSON line (inf/NaN as null)."""
-    try:
-        with open(path, "a") as f:
-            f.write(json.dumps({key: None if isinstance(value, float) and not math.isfinite(value) else value
-                                for key, value in record.items()}) + "\n")
-    except OSError as e:
-        raise metrics_error(path, e) from None
-
-
-def keep_metrics(path, epochs):
-    """Keeps the metrics file's lines up to epoch `epochs` (those the checkpoint holds), atomically."""
-    if not os.path.exists(path):
-        return
-    try:
-        with open(path) as f:
-            lines = [line for line in f if json.loads(line)["epoch"] <= epochs]
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"{path} is not a metrics file of amp_train.py ({type(e).__name__}): "
-                         "pass another --metrics") from None
-    try:
-        with open(f"{path}.tmp", "w") as f:
-            f.writelines(lines)
-        os.replace(f"{path}.tmp", path)
-    except OSError as e:
-        raise metrics_error(path, e) from None
-
-
-def metrics_error(path, error):
-    return UsageError(f"could not write the metrics file {path} ({error}): free some space, or pass another --metrics")
-
-
-def torchrun_restart(path):
-    """True when torchrun restarted this worker (after another one died, with --max-restarts)
-    and a checkpoint exists at `path`: if this same torchrun job (its --rdzv-id) wrote it, the
-    run continues from it, as with --resume. A first launch never resumes by itself."""
-    return bool(path) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and os.path.isfile(path)
-
-
-def resume_args(args, given, state):
-    """Fills the RUN_FLAGS not given on the command line from the checkpoint's run, in place;
-    returns a note for each given flag that changes the run."""
-    saved = [f"--{key.replace('_', '-')}={state['args'][key]}" for key in RUN_FLAGS
-             if state["args"].get(key) is not None]
-    try:  # the checkpoint's values pass the same checks as the command line's
-        saved = parse_args(saved)[0]
-    except UsageError as e:
-        raise UsageError(f"{args.checkpoint} holds flags this program refuses ({e})") from None
-    notes = []
-    for key in RUN_FLAGS:
-        value, before = getattr(args, key), getattr(saved, key)
-        if key not in given:
-            setattr(args, key, before)
-        elif value != before and key == "data":
-            raise UsageError(f"{args.checkpoint} was trained on --data {before}: resume it on the same data")
-        elif value != before and key != "epochs":
-            notes.append(f"note: --{key.replace('_', '-')} {value} replaces the checkpoint's {before}")
-    return notes
-
-
-def restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype, lr):
-    """Loads a checkpoint's states in place; returns (epochs done, notes for the user)."""
-    notes = []
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        for group in optimizer.param_groups:  # a new --lr rescales the schedule, which goes on from here
-            group["lr"] *= lr / group.get("initial_lr", group["lr"])
-            if "initial_lr" in group:
-                group["initial_lr"] = lr
-        if scheduler is not None:
-            scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-        # The scaler's state matters only where a scaler runs: fp16 to bf16/fp32 drops it,
-        # and a bf16/fp32 checkpoint gives fp16 a fresh scale.
-        if scaler.is_enabled() and state["scaler"]:
-            scaler.load_state_dict(state["scaler"])
-        elif scaler.is_enabled():
-            notes.append(f"note: the checkpoint was saved in {state['precision']} without a GradScaler; "
-                         "fp16 starts from a fresh loss scale")
-        elif state["scaler"]:
-            notes.append(f"note: the checkpoint's GradScaler state is not used: "
-                         f"{precision_name(amp_dtype)} runs without a scaler")
-        torch.set_rng_state(state["rng"]["cpu"])
-        if device.type == "cuda" and state["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-        return int(state["epoch"]), notes
-    except (KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise UsageError(f"the checkpoint does not fit this run ({type(e).__name__}: {e}): "
-                         "pass a --checkpoint of this example") from None
-
-
-# ---------------------------------------------------------------- the examples
-
-def build_example(args, device, rank=0, world_size=1):
-    """Model, criterion, train loader and test loader (None for linear) for args.example.
-
-    Each of `world_size` processes gets its own shard of the data, --batch-size per step.
-    """
-    if args.example == "linear":
-        # One fixed batch, as in the post: each "epoch" is one iteration over it.
-        # Under torchrun each process gets a batch of its own.
-        x, y = linear_batch(args.batch_size * world_size, args.seed)
-        loader = DeviceLoader(x, y, args.batch_size, device, rank=rank, world_size=world_size)
-        return build_linear().to(device), nn.MSELoss(), loader, None
-    train, test = image_loaders(args.data, args.data_root, args.batch_size, device, args.seed, rank, world_size)
-    return build_resnet18().to(device), nn.CrossEntropyLoss(), train, test
-
-
-def nonfinite_tensor(model):
-    """The name of a parameter or buffer of `model` holding inf/NaN, or None (one host sync)."""
-    tensors = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
-    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()
-    return next((name for name, ok in zip(tensors, finite) if not ok), None)
-
-
-def stop_reason(stats, train_loss, amp_dtype, skipped_in_a_row, bad_tensor):
-    """Why training cannot go on after this epoch, or None. Skipped fp16 steps are the
-    scaler doing its job, until it has skipped everything for a long while."""
-    if skipped_in_a_row >= max(stats.steps, SKIPPED_IN_A_ROW_TO_STOP):
-        return f"the GradScaler skipped all of the last {skipped_in_a_row} steps (inf/NaN gradients)"
-    if amp_dtype is not torch.float16 and not math.isfinite(train_loss):
-        return f"the mean training loss is {train_loss} under {precision_name(amp_dtype)}"
-    if bad_tensor:  # NaN weights, or BatchNorm statistics of an inf batch, stay NaN for good
-        return f"the model's {bad_tensor} holds inf/NaN"
-    return None
-
-
-def unsaved_reason(record):
-    """Why this epoch must not replace the last checkpoint, or None."""
-    for name, key in (("training", "train_loss"), ("test", "test_loss")):
-        if not math.isfinite(record.get(key, 0.0)):
-            return f"its mean {name} loss is {record[key]}"
-    return None
-
-
-def epoch_record(args, amp_dtype, epoch, lr, stats, model, test_loader, criterion, device):
-    """An epoch's metrics, summed over all processes: what its log line and the metrics file show."""
-    loss_sum, samples = all_reduce([stats.loss * stats.samples, stats.samples], device)
-    record = {"example": args.example, "precision": precision_name(amp_dtype), "epoch": epoch + 1,
-              "train_loss": loss_sum / max(samples, 1)}
-    if test_loader is not None:
-        ev = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps=args.max_steps)
-        ev_loss, correct, ev_samples = all_reduce([ev.loss * ev.samples, ev.accuracy * ev.samples, ev.samples],
-                                                      device)
-        record.update(test_loss=ev_loss / ev_samples, test_accuracy=correct / ev_samples)
-    return {**record, "lr": lr, "loss_scale": stats.loss_scale, "skipped_steps": stats.skipped_steps,
-            "samples_per_second": samples / max(stats.seconds, 1e-9), "seconds": stats.seconds,
-            "processes": dist.get_world_size() if dist.is_initialized() else 1}
-
-
-def epoch_line(record, epochs, unit):
-    """The log line of an epoch's metrics record."""
-    line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs} | train loss {record['train_loss']:.4f}"
-    if "test_loss" in record:
-        line += f" | test loss {record['test_loss']:.4f} | test acc {100 * record['test_accuracy']:5.2f}%"
-    scale = "off" if record["loss_scale"] is None else f"{record['loss_scale']:g}"
-    return (f"{line} | lr {record['lr']:.4g} | scale {scale} | skipped {record['skipped_steps']} | "
-            f"{record['samples_per_second']:.0f} {unit}/s | {record['seconds']:.3f} s")
-
-
-def run_training(args, device, amp_dtype, state=None, notes=()):
-    """The resnet and linear examples: train, evaluate, print one line per epoch, checkpoint.
-
-    `state` is a loaded checkpoint to resume from. Returns the exit status: 0, or 1 when
-    training stopped on inf/NaN. Under torchrun the model is wrapped in
-    DistributedDataParallel; AMP needs nothing else. Only rank 0 prints and saves.
-    """
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    log = print if rank == 0 else (lambda *args, **kwargs: None)
-    torch.manual_seed(args.seed)
-    if args.example == "resnet":
-        warn_if_cpu_fp16_convs(device, amp_dtype)
-    model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
-    optimizer = make_optimizer(model, args.lr)
-    scheduler = (torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP_EPOCHS, gamma=LR_GAMMA)
-                 if args.example == "resnet" else None)
-    scaler = make_scaler(device, amp_dtype)
-    start_epoch, notes = 0, list(notes)
-    if state is not None:
-        start_epoch, more = restore_checkpoint(state, model, optimizer, scheduler, scaler, device, amp_dtype,
-                                               args.lr)
-        notes += more + [f"resumed from {args.checkpoint} after epoch {start_epoch}"]
-    if world_size > 1:  # every process must go on from the same epoch: machines that share no disk would not
-        lowest, highest = all_reduce([-start_epoch, start_epoch], device, op=dist.ReduceOp.MAX)
-        if -lowest != highest:
-            raise UsageError(f"the processes found {args.checkpoint} at epochs {int(-lowest)} to {int(highest)}: "
-                             "put the checkpoint on a file system that every machine shares")
-    saved_epoch = start_epoch if state is not None else None  # the epoch the checkpoint holds
-    # DDP averages the gradients across processes during backward. The GradScaler then sees
-    # the same gradients on every process, so all of them skip the same steps. Checkpoints
-    # hold the unwrapped `model`, so they resume with or without torchrun.
-    trained = model
-    if world_size > 1:
-        trained = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
-
-    micro_batches = min(len(train_loader), (args.max_steps or len(train_loader)) * args.accum_steps)
-    steps_per_epoch = math.ceil(micro_batches / args.accum_steps)
-    data = "fixed batch" if args.example == "linear" else args.data
-    model_name = "linear(10->1)" if args.example == "linear" else "resnet18"
-    accumulated = f" x {args.accum_steps} accumulated" if args.accum_steps > 1 else ""
-    log(f"amp_train | example {args.example} | torch {torch.__version__} | device {device} | "
-        f"precision {precision_name(amp_dtype)} | scaler {'on' if scaler.is_enabled() else 'off'} | "
-        f"model {model_name} | data {data} | batch {args.batch_size}{accumulated} | "
-        f"processes {world_size} | global batch {args.batch_size * args.accum_steps * world_size} | "
-        f"epochs {args.epochs} | steps/epoch {steps_per_epoch}", flush=True)
-    for note in notes:
-        log(note, flush=True)
-    if start_epoch >= args.epochs:
-        log(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
-        return 0
-
-    if args.metrics and rank == 0:
-        keep_metrics(args.metrics, start_epoch)  # the file matches the checkpoint, then grows with it
-    log_every = 50 if steps_per_epoch >= 100 and rank == 0 else 0
-    unit = "samples" if args.example == "linear" else "img"
-    skipped_in_a_row = 0
-    for epoch in range(start_epoch, args.epochs):
-        train_loader.set_epoch(epoch)  # the order and augmentation depend on (seed, epoch) alone
-        lr = optimizer.param_groups[0]["lr"]
-        stats = train_epoch(trained, train_loader, optimizer, criterion, scaler, device, amp_dtype,
-                            clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps,
-                            max_steps=args.max_steps, log_every=log_every)
-        for buffer in model.buffers() if world_size > 1 else []:
-            # Each process updated BatchNorm's running statistics from its own batches: all
-            # take rank 0's, so that every process evaluates (and checks) the model it saves.
-            dist.broadcast(buffer, src=0)
-        record = epoch_record(args, amp_dtype, epoch, lr, stats, model, test_loader, criterion, device)
-        log(epoch_line(record, args.epochs, unit), flush=True)
-        if args.metrics and rank == 0:
-            append_metrics(args.metrics, record)
-
-        all_skipped = stats.skipped_steps == stats.steps
-        skipped_in_a_row = skipped_in_a_row + stats.steps if all_skipped else 0
-        problem = stop_reason(stats, record["train_loss"], amp_dtype, skipped_in_a_row, nonfinite_tensor(model))
-        unsaved = problem or unsaved_reason(record)
-        kept = (f"{args.checkpoint} holds epoch {saved_epoch}" if saved_epoch is not None
-                else f"nothing was saved to {args.checkpoint}")
-        if problem:
-            log(f"error: epoch {epoch + 1}: {problem}; {kept + '; ' if args.checkpoint else ''}"
-                "try a lower --lr or --clip-grad-norm (with --resume)", file=sys.stderr)
-            return 1
-        if scheduler is not None and not all_skipped:
-            scheduler.step()  # once per epoch, and only after an epoch in which the optimizer stepped
-        if args.checkpoint and unsaved:
-            log(f"note: epoch {epoch + 1} is not saved, {unsaved}; {kept}", flush=True)
-        elif args.checkpoint:
-            if rank == 0:
-                save_checkpoint(args.checkpoint, checkpoint_state(
-                    args, amp_dtype, epoch + 1, model, optimizer, scheduler, scaler, device))
-            saved_epoch = epoch + 1
-    return 0
-
-
-def memory_setup(model_name, batch_size, device, seed):
-    """(model builder, criterion, training loader) for the memory example: the linear example's
-    fixed batch, or the synthetic stand-in through the resnet example's training pipeline."""
-    if model_name == "linear":
-        return build_linear, nn.MSELoss(), DeviceLoader(*linear_batch(batch_size, seed), batch_size, device)
-    loader = DeviceLoader(*synthetic_cifar10(SYNTHETIC_TRAIN_SIZE, seed), batch_size, device,
-                          cifar10_transform(device, augment=True), shuffle=True, seed=seed)
-    return build_resnet18, nn.CrossEntropyLoss(), loader
-
-
-def measure_loader(loader, device):
-    """Samples per second that `loader` delivers over one epoch, after one warm-up batch."""
-    next(iter(loader))
-    synchronize(device)
-    start = time.perf_counter()
-    samples = sum(len(targets) for _, targets in loader)
-    synchronize(device)
-    return samples / (time.perf_counter() - start)
-
-
-def tf32_state(device):
-    """Whether fp32 convolutions and matmuls may use TF32 tensor cores (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul
-    if hasattr(conv, "fp32_precision"):  # torch >= 2.9, where reading the legacy flags can raise
-        return {"cudnn_conv": conv.fp32_precision == "tf32", "matmul": matmul.fp32_precision == "tf32"}
-    return {"cudnn_conv": torch.backends.cudnn.allow_tf32, "matmul": matmul.allow_tf32}
-
-
-def run_memory(args, device, amp_dtype):
+def run_memory(args, device):
     """The post's "saves memory" claim, measured: the same model and batch in fp32 and in AMP."""
     if dist.is_initialized():
         raise UsageError("--example memory measures one process: run it with python, not torchrun")
-    if amp_dtype is None:
+    if args.precision == "fp32":
         raise UsageError("--example memory compares fp32 with AMP: use --precision fp16, bf16 or auto")
-    if args.model == "resnet18":
-        warn_if_cpu_fp16_convs(device, amp_dtype)
-    build_model, criterion, loader = memory_setup(args.model, args.batch_size, device, args.seed)
+    example = argparse.Namespace(**{**vars(args), "example": "linear" if args.model == "linear" else "resnet",
+                                    "data": "synthetic"})
+    torch.manual_seed(args.seed)
+    model, criterion, loader, _ = build_example(example, device)
     batch = next(iter(loader))
-    runs = {name: measure_training(build_model, batch, criterion, device, dtype, args.steps,
-                                   seed=args.seed, lr=args.lr)
-            for name, dtype in (("fp32", None), ("amp", amp_dtype))}
-    runs["ratio"] = {key: (runs["amp"][key] / value if runs["amp"][key] is not None and value else None)
+    runs = {name: measure_training(model, batch, criterion, device, PRECISIONS[precision], args.steps, lr=args.lr)
+            for name, precision in (("fp32", "fp32"), ("amp", args.precision))}
+    runs["ratio"] = {key: runs["amp"][key] / value if runs["amp"][key] is not None and value else None
                      for key, value in runs["fp32"].items() if not isinstance(value, dict)}
+    conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul  # may fp32 use TF32 tensor cores?
+    tf32 = {"cudnn_conv": conv.fp32_precision == "tf32", "matmul": matmul.fp32_precision == "tf32"}
     result = {"device": str(device), "model": args.model, "batch_size": args.batch_size,
-              "precision": precision_name(amp_dtype), "steps": args.steps,
-              "warmup_steps": MEMORY_WARMUP_STEPS, "torch": torch.__version__, "tf32": tf32_state(device),
-              "loader_samples_per_second": measure_loader(loader, device), **runs}
-    print(json.dumps(result, indent=2) if args.json else memory_report(result), flush=True)
+              "precision": args.precision, "steps": args.steps, "warmup_steps": MEMORY_WARMUP_STEPS,
+              "torch": torch.__version__, "tf32": tf32 if device.type == "cuda" else None, **runs}
+    print(json.dumps(result, indent=2) if args.json else memory_table(result), flush=True)
     return 0
 
 
-def memory_report(r):
-    """The memory example's table and its closing sentence, from run_memory's result."""
+def memory_table(r):
     amp, fp32, ratio, name = r["amp"], r["fp32"], r["ratio"], r["precision"]
-    mib = lambda n: "n/a" if n is None else f"{n / 2**20:.2f} MiB"
-    rows = [("activation memory", "activation_bytes", mib), ("weight copies", "weight_copy_bytes", mib),
-            ("peak device memory", "peak_bytes", mib), ("peak reserved memory", "reserved_bytes", mib),
-            ("median step time", "step_seconds", lambda t: f"{1000 * t:.2f} ms"),
-            ("final loss", "final_loss", lambda x: f"{x:.4f}")]
-    tf32 = "n/a" if r["tf32"] is None else ("on" if r["tf32"]["cudnn_conv"] else "off") + " for fp32 convs"
-    lines = [f"memory | torch {r['torch']} | device {r['device']} | model {r['model']} | "
-             f"batch {r['batch_size']} | {r['warmup_steps']} warm-up + {r['steps']} timed steps | tf32 {tf32}",
-             f"{'':<20}{'fp32':>14}{name:>14}{name + '/fp32':>12}"]
-    for label, key, fmt in rows:
-        x = ratio[key]
-        lines.append(f"{label:<20}{fmt(fp32[key]):>14}{fmt(amp[key]):>14}{'n/a' if x is None else f'{x:.2f}':>12}")
-    loader = f"{r['loader_samples_per_second']:.0f}"
-    lines.append(f"{'loader samples/s':<20}{loader:>14}{loader:>14}{'n/a':>12}")
+    size = lambda n: "n/a" if n is None else f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.2f} KiB"  # noqa
+    tf32 = "n/a" if r["tf32"] is None else "on" if r["tf32"]["cudnn_conv"] else "off"
+    lines = [f"memory | torch {r['torch']} | device {r['device']} | model {r['model']} | batch {r['batch_size']} | "
+             f"{r['warmup_steps']} warm-up + {r['steps']} timed steps | tf32 for fp32 convs {tf32}",
+             f"{'':<22}{'fp32':>14}{name:>14}{name + '/fp32':>12}"]
+    for label, key in (("activation memory", "activation_bytes"), ("weight copies", "weight_copy_bytes"),
+                       ("peak device memory", "peak_bytes"), ("peak reserved memory", "reserved_bytes"),
+                       ("step time median", "step_seconds"), ("step time min", "step_seconds_min"),
+                       ("step time max", "step_seconds_max"), ("final loss", "final_loss")):
+        show = size if "bytes" in key else (lambda t: f"{1000 * t:.2f} ms") if "seconds" in key else "{:.4f}".format
+        lines.append(f"{label:<22}{show(fp32[key]):>14}{show(amp[key]):>14}"
+                     f"{'n/a' if ratio[key] is None else f'{ratio[key]:.2f}':>12}")
     lines.append(f"ops in one {name} training step (aten calls, by the dtype they computed in; the most called):")
     for dtype, ops in amp["ops"].items():
-        top = ", ".join(f"{op} x{calls}" for op, calls in ops["top"].items())
-        lines.append(f"  {dtype:<9}{ops['calls']:>5} calls: {top}")
-    if fp32["activation_bytes"] < 2**20:
-        lines.append(f"The activations here are {fp32['activation_bytes']} bytes in fp32 and "
-                     f"{amp['activation_bytes']} in {name}: a model this small has nothing to save. "
-                     f"AMP saves memory where activations are large: wide layers, images, big batches.")
-    else:
-        saved = (fp32["activation_bytes"] - amp["activation_bytes"]) / 2**20
-        lines.append(f"{name} autocast kept {ratio['activation_bytes']:.2f}x the activation memory of fp32 "
-                     f"({saved:.1f} MiB less at batch {r['batch_size']}), at the cost of "
-                     f"{mib(amp['weight_copy_bytes'])} of {name} weight copies. Activations grow with the "
-                     f"batch and the copies do not, so larger batches save more.")
-        parts = ", ".join(f"{mib(n)} {dtype}" for dtype, n in amp["activation_bytes_by_dtype"].items())
-        lines.append(f"Of the {name} run's activations, {parts}: only the low-precision part is halved "
-                     "(autocast keeps the float32 ops above in fp32; int64 tensors are indices).")
-        if ratio["peak_bytes"] is not None:
-            lines.append(f"Peak device memory was {ratio['peak_bytes']:.2f}x that of fp32.")
-        lines.append(f"A step took {ratio['step_seconds']:.2f}x the time of fp32"
-                     + (f" (a CPU has no tensor cores: {name} saves memory here, not time)."
-                        if r["device"] == "cpu" and ratio["step_seconds"] > 1 else "."))
-    trained = r["batch_size"] / amp["step_seconds"]
-    limit = "the loader" if r["loader_samples_per_second"] < trained else f"the {name} step, not the loader,"
-    lines.append(f"The training data pipeline delivers {r['loader_samples_per_second']:.0f} samples/s and the "
-                 f"{name} step trains {trained:.0f} samples/s: {limit} limits throughput.")
+        lines.append(f"  {dtype:<9}{ops['calls']:>5} calls: " + ", ".join(f"{op} x{n}" for op, n in ops["top"].items()))
+    lines.append(f"{name} activations by dtype: " + ", ".join(
+        f"{dtype} {size(n)}" for dtype, n in amp["activation_bytes_by_dtype"].items()))
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- command line
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2 through main(), not usage + traceback
+    def error(self, message):  # one line and exit 2 through main(), not usage text and sys.exit
         raise UsageError(f"{message} (see --help)")
 
 
 def number(kind, low, high):
-    """An argparse type: a `kind` above `low` (floats) or from `low` (ints), up to `high`."""
+    """An argparse type: a `kind` from `low` (ints) or above it (floats), up to `high`."""
     def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not ((low < value) if kind is float else (low <= value)) or not value <= high:  # nan too
-            low_text, high_text = (f"above {low}", f"{high:g}") if kind is float else (f"at least {low}", high)
-            raise argparse.ArgumentTypeError(f"must be {low_text} and at most {high_text}, got {text}")
+        value = kind(text)  # a ValueError reads "invalid int value: 'x'"
+        if not low <= value <= high or kind is float and value == low:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text} is not {'above' if kind is float else 'from'} {low} to {high:g}")
         return value
     parse.__name__ = kind.__name__
     return parse
 
 
-COUNT = number(int, 1, MAX_INT)
-POSITIVE = number(float, 0, MAX_FLOAT)
-
-
 def parse_args(argv):
-    p = ArgumentParser(description="AMP training examples: the blog post's programs, fixed.")
-    p.add_argument("--example", choices=["linear", "memory", "resnet"], default="resnet",
-                   help="resnet: ResNet18 on CIFAR-10; linear: Linear(10, 1) on one fixed batch; "
-                        "memory: AMP vs fp32 memory and speed (default: %(default)s)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto picks cuda when a GPU is visible, else cpu (default: %(default)s)")
+    count, positive = number(int, 1, 2**31 - 1), number(float, 0, torch.finfo(torch.float32).max)
+    p = ArgumentParser(description="AMP training: the blog post's programs, fixed.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--example", choices=["resnet", "linear", "memory"], default="resnet", help="the program to run")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if a GPU is visible")
     p.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
-                   help="auto is fp16 (with a GradScaler) on CUDA and bf16 on the CPU; "
-                        "fp32 turns AMP off (default: %(default)s)")
-    p.add_argument("--epochs", type=COUNT, default=DEFAULT_EPOCHS,
-                   help="epochs; for linear, iterations over the fixed batch (default: %(default)s)")
-    p.add_argument("--batch-size", type=COUNT, default=DEFAULT_BATCH_SIZE,
-                   help="samples per step (default: %(default)s)")
-    p.add_argument("--lr", type=POSITIVE, default=DEFAULT_LR,
-                   help="SGD learning rate (default: %(default)s)")
-    p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10",
-                   help="resnet data: real CIFAR-10, downloaded into --data-root when missing, "
-                        "or a learnable offline stand-in (default: %(default)s)")
-    p.add_argument("--data-root", default="./data",
-                   help="folder that holds or receives CIFAR-10 (default: %(default)s)")
-    p.add_argument("--max-steps", type=COUNT, default=None,
-                   help="stop each epoch after this many optimizer steps and evaluate on as many "
-                        "test batches, for short runs (default: whole epochs)")
-    p.add_argument("--clip-grad-norm", type=POSITIVE, default=None,
-                   help="clip gradients to this total norm, after unscaling (default: no clipping)")
-    p.add_argument("--accum-steps", type=COUNT, default=1,
-                   help="accumulate gradients over this many micro-batches of --batch-size "
-                        "per optimizer step (default: %(default)s)")
-    p.add_argument("--checkpoint", default=None, metavar="PATH",
-                   help="save a checkpoint here after every epoch, atomically (default: none)")
-    p.add_argument("--metrics", default=None, metavar="PATH",
-                   help="append one JSON line of metrics per epoch here (default: none)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from --checkpoint up to --epochs")
-    p.add_argument("--model", choices=["resnet18", "linear"], default="resnet18",
-                   help="memory only: the model to measure (default: %(default)s)")
-    p.add_argument("--steps", type=COUNT, default=MEMORY_STEPS,
-                   help=f"memory only: timed steps per precision, after {MEMORY_WARMUP_STEPS} "
-                        "warm-up steps (default: %(default)s)")
-    p.add_argument("--json", action="store_true",
-                   help="memory only: print one JSON object instead of the table")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
-                   help="seed for weights, data and shuffling (default: %(default)s)")
-    args = p.parse_args(argv)
-    # Which flags were given, not defaulted: parse again with every default None.
-    p.set_defaults(**{key: None for key in vars(args)})
-    given = {key for key, value in vars(p.parse_args(argv)).items() if value is not None}
-    return args, given
+                   help="auto: fp16 (with a GradScaler) on CUDA, bf16 on the CPU; fp32 turns AMP off")
+    p.add_argument("--epochs", type=count, default=EPOCHS, help="for linear: iterations over its fixed batch")
+    p.add_argument("--batch-size", type=count, default=BATCH_SIZE,
+                   help="per step and process; for linear, the fixed batch, shared out among the processes")
+    p.add_argument("--lr", type=positive, default=LR, help="SGD's learning rate")
+    p.add_argument("--data", choices=["cifar10", "synthetic"], default="cifar10", help="resnet: synthetic is offline")
+    p.add_argument("--data-root", default="./data", help="the folder of CIFAR-10")
+    p.add_argument("--max-steps", type=count, help="end each epoch after this many optimizer steps (and test batches)")
+    p.add_argument("--clip-grad-norm", type=positive, help="clip the gradients to this norm, after unscaling")
+    p.add_argument("--accum-steps", type=count, default=1, help="micro-batches that add up to one optimizer step")
+    p.add_argument("--run-dir", metavar="DIR", help="append metrics to DIR/metrics.jsonl, save DIR/checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="go on with the run in --run-dir, up to --epochs")
+    p.add_argument("--model", choices=["resnet18", "linear"], default="resnet18", help="memory: the model")
+    p.add_argument("--steps", type=count, default=MEMORY_STEPS, help="memory: timed steps, after 3 warm-up ones")
+    p.add_argument("--json", action="store_true", help="memory: one JSON object instead of the table")
+    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0, help="of the weights, data, order and crops")
+    return p.parse_args(argv)
 
 
 def main(argv=None):
-    args = None
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, lock = None, None
     try:
-        args, given = parse_args(argv)
-        if args.resume and not args.checkpoint:
-            raise UsageError("--resume needs --checkpoint PATH: the checkpoint to continue from")
-        if args.example == "memory" and (args.checkpoint or args.metrics):
-            raise UsageError("--checkpoint and --metrics are for the resnet and linear examples, not memory")
-        restart = torchrun_restart(args.checkpoint)
-        state = load_checkpoint(args.checkpoint, args.example) if args.resume or restart else None
-        if state and not args.resume and state.get("torchrun_job") != os.environ.get("TORCHELASTIC_RUN_ID"):
-            state = None  # another run's checkpoint: refused below, as on the first launch
-        notes = resume_args(args, given, state) if state else []
-        for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
-            if path:  # checked before any process group is joined or epoch trained
-                check_new_file(path, flag, resuming=state is not None)
+        args = parse_args(argv)
+        if args.resume and not args.run_dir:
+            raise UsageError("--resume needs --run-dir DIR: the folder of the run to go on with")
+        if args.example == "memory" and args.run_dir:
+            raise UsageError("--run-dir is for the resnet and linear examples, not memory")
         device = resolve_device(args.device)
-        # The shapes repeat every step: let cuDNN time its convolution algorithms once and keep the fastest.
-        torch.backends.cudnn.benchmark = device.type == "cuda"
-        amp_dtype = resolve_precision(args.precision, device)
-        init_distributed(device)
+        torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: let cuDNN time its kernels once
+        args.precision = resolve_precision(args.precision, device)
+        if device.type == "cpu" and args.precision == "fp16" and "linear" not in (args.example, args.model):
+            print("warning: fp16 convolutions are very slow on CPUs (tens to hundreds of times slower than fp32); "
+                  "--precision bf16 is the fast CPU choice", file=sys.stderr)
+        job = init_distributed(device)
         if args.example == "memory":
-            status = run_memory(args, device, amp_dtype)
-        else:
-            status = run_training(args, device, amp_dtype, state, notes)
+            return run_memory(args, device)
+        state = [None]  # rank 0 takes the run folder and hands its checkpoint (or its error) to the others
+        if args.run_dir and rank_and_world()[0] == 0:
+            try:
+                lock, state[0] = open_run_dir(args.run_dir, args.resume, job, args.example)
+            except UsageError as e:
+                state[0] = e
+        if args.run_dir and dist.is_initialized():
+            dist.broadcast_object_list(state, src=0)
+        if isinstance(state[0], UsageError):
+            raise state[0]
+        notes = []
+        if state[0] is not None:
+            args, notes = resume_args(argv, state[0], device)
+        args.saved_epoch = state[0] and state[0]["epoch"]
+        status = run_training(args, device, state[0], notes)
         if dist.is_initialized():
             dist.barrier()  # let every process finish its last collective before any leaves
         return status
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM: one line, and what the run folder holds
+        if rank_and_world()[0] == 0:
+            print(f"error: {'terminated' if isinstance(e, Terminated) else 'interrupted'}; {kept(args)}",
+                  file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except RuntimeError as e:  # CUDA's OutOfMemoryError is a RuntimeError, as is the CPU allocator's
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
@@ -1061,12 +786,14 @@ def main(argv=None):
               "(--accum-steps K keeps the batch of an optimizer step)", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            # DDP's reducer holds the process group inside reference cycles: collect it first,
-            # or gloo's threads die at interpreter exit and abort the process (seen here).
+        if lock is not None:
+            lock.close()
+        if dist.is_initialized():  # DDP holds the group in reference cycles: gloo aborted at exit without gc
             gc.collect()
             dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, Terminated.handler)
+    sys.stdout.reconfigure(errors="backslashreplace")  # a file name that is not UTF-8 prints, escaped
     sys.exit(main())

@@ -1,5 +1,8 @@
 """Tests for amp_train.py: CPU by default, CUDA cases run where a GPU is. Run: python -m pytest -q"""
 import contextlib
+import errno
+import fcntl
+import inspect
 import io
 import json
 import math
@@ -26,196 +29,340 @@ import amp_train
 pytestmark = [pytest.mark.filterwarnings("error::FutureWarning"),
               pytest.mark.filterwarnings("error::DeprecationWarning")]
 
+HERE = pathlib.Path(__file__).parent
+SCRIPT = str(HERE / "amp_train.py")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CPU = torch.device("cpu")
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
-# (device, amp dtype) pairs that are fast enough to test; fp16 convs on the CPU are not.
-AMP_CASES = [("cpu", torch.bfloat16),
-             pytest.param("cuda", torch.float16, marks=requires_cuda),
-             pytest.param("cuda", torch.bfloat16, marks=requires_cuda)]
+LINEAR = ["--device", "cpu", "--example", "linear"]
+LINEAR_FP16 = LINEAR + ["--precision", "fp16"]
+RESNET_TINY = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--max-steps", "2", "--batch-size", "4"]
 
 
-def linear_setup(device, amp_dtype, seed=0):
+def linear_batch(batch_size=128, seed=0):
+    """The linear example's fixed batch, as amp_train makes it for --batch-size and --seed."""
+    args = amp_train.parse_args(LINEAR + ["--batch-size", str(batch_size), "--seed", str(seed)])
+    return next(iter(amp_train.build_example(args, CPU)[2]))
+
+
+def linear_setup(device="cpu", amp_dtype=None, seed=0, lr=0.01):
     torch.manual_seed(seed)
-    model = amp_train.build_linear().to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    return model, optimizer, amp_train.make_scaler(device, amp_dtype)
+    model = nn.Linear(10, 1).to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=lr), amp_train.make_scaler(torch.device(device), amp_dtype)
 
 
-def fit_linear(device, amp_dtype, iterations):
-    model, optimizer, scaler = linear_setup(device, amp_dtype)
-    x, y = (t.to(device) for t in amp_train.linear_batch())
+def fit_linear(amp_dtype, iterations):
+    model, optimizer, scaler = linear_setup("cpu", amp_dtype)
+    x, y = linear_batch()
     for _ in range(iterations):
-        stats = amp_train.train_epoch(model, [(x, y)], optimizer, nn.MSELoss(), scaler, device, amp_dtype)
+        stats = amp_train.train_epoch(model, [(x, y)], optimizer, nn.MSELoss(), scaler, CPU, amp_dtype)
     return model, stats
+
+
+def with_inf(x):
+    bad = x.clone()
+    bad[0, 0] = float("inf")  # the loss of this batch is inf, its gradients inf/NaN
+    return bad
+
+
+def run_bad(argv, capsys):
+    code = amp_train.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, f"{argv} gave exit {code}: {err}"
+    assert err.count("\n") == 1 and err.startswith("error: "), f"want one error line, got: {err!r}"
+    return err
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def epoch_lines(out):
+    return re.findall(r"^epoch +\d+/\d+ .*$", out, re.M)
+
+
+# ---------------------------------------------------------------- the copy unit, as pasted
+
+def readme_copy_block():
+    text = (HERE / "README.md").read_text()
+    section = text[text.index("## Copy this"):]
+    return section[section.index("```python\n") + 10:section.index("\n```", section.index("```python"))] + "\n"
+
+
+def generator_of(batches):
+    yield from batches  # no len(): a streaming data set
+
+
+def test_the_readme_block_is_train_epoch_verbatim():
+    block, source = readme_copy_block(), inspect.getsource(amp_train.train_epoch)
+    assert source in block, "the README's Copy this block and amp_train.train_epoch have drifted apart"
+    assert (HERE / "README.md").read_text()[:(HERE / "README.md").read_text().index("## Copy this")].count("\n") < 80
+
+
+def test_the_readme_block_runs_as_pasted_and_picks_bf16_on_the_cpu(capsys):
+    torch.manual_seed(0)
+    model = nn.Linear(10, 1)
+    x, y = linear_batch(32)
+    user = {"torch": torch, "model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+            "loader": generator_of(zip(x.split(8), y.split(8))), "criterion": nn.MSELoss(), "device": "cpu"}
+    before = model.weight.detach().clone()
+    exec(compile(readme_copy_block(), "README.md", "exec"), user)
+    assert user["amp_dtype"] is torch.bfloat16, "on the CPU the block must pick bf16"
+    assert user["stats"]["steps"] == 4 and user["stats"]["samples"] == 32, user["stats"]
+    assert not torch.equal(model.weight, before), "the pasted block did not train"
+    # The pasted function in the other two precisions: fp16 with a scaler, fp32 with none.
+    for amp_dtype, scaler in ((torch.float16, torch.amp.GradScaler("cpu")), (None, None)):
+        stats = user["train_epoch"](model, generator_of(zip(x.split(8), y.split(8))), user["optimizer"],
+                                    nn.MSELoss(), scaler, "cpu", amp_dtype)
+        assert stats["steps"] == 4 and math.isfinite(stats["loss"]), (amp_dtype, stats)
+        assert (stats["loss_scale"] is None) == (scaler is None), stats
+
+
+def test_train_epoch_pastes_alone_and_matches_the_docs_loop():
+    # Only the imports its docstring names, a generator, a string device and no scaler (fp32).
+    needs = re.search(r"Needs `(import [^`]+)`", amp_train.train_epoch.__doc__).group(1)
+    pasted = {}
+    exec(needs + "\n" + inspect.getsource(amp_train.train_epoch), pasted)
+    x, y = linear_batch(24, seed=2)
+    model, optimizer, _ = linear_setup(lr=0.1)
+    stats = pasted["train_epoch"](model, generator_of(zip(x.split(8), y.split(8))), optimizer, nn.MSELoss(),
+                                  None, "cpu", None)
+    reference, ref_optimizer, _ = linear_setup(lr=0.1)
+    for inputs, targets in zip(x.split(8), y.split(8)):  # the docs' fp32 loop
+        nn.MSELoss()(reference(inputs), targets).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad(set_to_none=True)
+    assert torch.allclose(model.weight, reference.weight, atol=1e-7, rtol=0), (model.weight, reference.weight)
+    assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (3, 0, None), stats
 
 
 # ---------------------------------------------------------------- what autocast and the scaler do
 
-@pytest.mark.parametrize("device_name,amp_dtype", AMP_CASES)
-def test_autocast_runs_matmul_and_conv_in_amp_dtype_and_loss_in_fp32(device_name, amp_dtype):
-    device = torch.device(device_name)
-    linear = nn.Linear(8, 4).to(device)
-    conv = nn.Conv2d(3, 4, 3).to(device)
-    with amp_train.amp_context(device, amp_dtype):
-        logits = linear(torch.randn(2, 8, device=device))
-        features = conv(torch.randn(2, 3, 8, 8, device=device))
-        loss = nn.functional.cross_entropy(logits, torch.tensor([0, 1], device=device))
-    assert logits.dtype is amp_dtype, f"Linear under autocast gave {logits.dtype}"
-    assert features.dtype is amp_dtype, f"Conv2d under autocast gave {features.dtype}"
-    assert loss.dtype is torch.float32, f"cross_entropy should autocast to float32, got {loss.dtype}"
-    assert linear.weight.dtype is torch.float32, "autocast must leave the parameters in float32"
+class Probe(nn.Module):
+    """A Linear and a Conv1d that record the dtypes of their outputs and of the weight."""
+    def __init__(self):
+        super().__init__()
+        self.linear, self.conv, self.seen = nn.Linear(8, 4), nn.Conv1d(1, 4, 3, padding=1), []
+
+    def forward(self, x):
+        a, b = self.linear(x), self.conv(x[:, None, :]).mean(2)
+        self.seen.append((a.dtype, b.dtype, self.linear.weight.dtype))
+        return a + b
 
 
-def test_fp32_turns_autocast_off():
-    with amp_train.amp_context(CPU, None):
-        out = nn.Linear(8, 4)(torch.randn(2, 8))
-    assert out.dtype is torch.float32, f"amp_dtype=None should be plain fp32, got {out.dtype}"
+@pytest.mark.parametrize("device_name,amp_dtype", [("cpu", torch.bfloat16), ("cpu", None),
+                                                   pytest.param("cuda", torch.float16, marks=requires_cuda)])
+def test_autocast_runs_matmul_and_conv_in_amp_dtype_and_the_loss_in_fp32(device_name, amp_dtype):
+    model, losses = Probe().to(device_name), []
+    def criterion(outputs, targets):
+        losses.append(nn.functional.cross_entropy(outputs, targets))
+        return losses[-1]
+    batch = (torch.randn(2, 8), torch.tensor([0, 1]))
+    amp_train.train_epoch(model, [batch], torch.optim.SGD(model.parameters(), lr=0.1), criterion,
+                          amp_train.make_scaler(torch.device(device_name), amp_dtype), device_name, amp_dtype)
+    low = amp_dtype or torch.float32
+    assert model.seen == [(low, low, torch.float32)], f"(linear, conv, weight) dtypes: {model.seen}"
+    assert losses[0].dtype is torch.float32, f"cross_entropy should autocast to float32, got {losses[0].dtype}"
 
 
 @pytest.mark.parametrize("device_name", DEVICES)
-def test_scaler_is_enabled_for_fp16_only(device_name):
-    device = torch.device(device_name)
-    enabled = {name: amp_train.make_scaler(device, dtype).is_enabled()
+def test_the_scaler_is_enabled_for_fp16_only(device_name):
+    enabled = {name: amp_train.make_scaler(torch.device(device_name), dtype).is_enabled()
                for name, dtype in amp_train.PRECISIONS.items()}
     assert enabled == {"fp16": True, "bf16": False, "fp32": False}, enabled
 
 
-def test_auto_precision_is_fp16_on_cuda_and_bf16_on_cpu():
-    assert amp_train.resolve_precision("auto", CPU) is torch.bfloat16
-    assert amp_train.resolve_precision("auto", torch.device("cuda")) is torch.float16
-    assert amp_train.resolve_precision("fp32", CPU) is None
+def test_auto_precision_is_fp16_on_cuda_and_bf16_on_the_cpu():
+    assert amp_train.resolve_precision("auto", CPU) == "bf16"
+    assert amp_train.resolve_precision("auto", torch.device("cuda")) == "fp16"
 
 
-# ---------------------------------------------------------------- train_epoch
-
-@pytest.mark.parametrize("precision,tolerance", [("bf16", 1e-3), ("fp16", 1e-3)])
-def test_amp_training_of_the_linear_example_matches_fp32(precision, tolerance):
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_amp_training_of_the_linear_example_matches_fp32(precision):
     # Measured on the CPU: bf16 ends 1.0e-4 from fp32's loss, fp16 1.3e-5; the tolerance is ~10x that.
-    amp_dtype = amp_train.PRECISIONS[precision]
-    fp32_model, fp32_stats = fit_linear(CPU, None, 100)
-    amp_model, amp_stats = fit_linear(CPU, amp_dtype, 100)
-    first = fit_linear(CPU, None, 1)[1].loss
-    assert fp32_stats.loss < first - 0.2, f"fp32 training did not learn: {first} -> {fp32_stats.loss}"
-    assert abs(amp_stats.loss - fp32_stats.loss) < tolerance, (amp_stats.loss, fp32_stats.loss)
-    assert torch.allclose(amp_model.weight, fp32_model.weight, atol=3 * tolerance), \
-        (amp_model.weight, fp32_model.weight)
+    fp32_model, fp32_stats = fit_linear(None, 100)
+    amp_model, amp_stats = fit_linear(amp_train.PRECISIONS[precision], 100)
+    assert fp32_stats["loss"] < fit_linear(None, 1)[1]["loss"] - 0.2, "fp32 training did not learn"
+    assert abs(amp_stats["loss"] - fp32_stats["loss"]) < 1e-3, (amp_stats, fp32_stats)
+    assert torch.allclose(amp_model.weight, fp32_model.weight, atol=3e-3), (amp_model.weight, fp32_model.weight)
 
 
 @pytest.mark.parametrize("device_name", DEVICES)
-def test_scaler_skips_an_inf_step_and_halves_the_scale(device_name):
-    device = torch.device(device_name)
-    x, y = (t.to(device) for t in amp_train.linear_batch(8))
-    bad_x = x.clone()
-    bad_x[0, 0] = float("inf")  # the loss of this batch is inf, its gradients inf/NaN
-
-    model, optimizer, scaler = linear_setup(device, torch.float16)
-    stats = amp_train.train_epoch(model, [(x, y), (bad_x, y)], optimizer, nn.MSELoss(),
-                                  scaler, device, torch.float16)
-    reference, ref_optimizer, ref_scaler = linear_setup(device, torch.float16)
-    amp_train.train_epoch(reference, [(x, y)], ref_optimizer, nn.MSELoss(), ref_scaler, device, torch.float16)
-
-    assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias), \
-        "the inf batch must not change the weights"
-    assert (stats.steps, stats.skipped_steps) == (2, 1), stats
-    assert stats.nonfinite_losses == 1, stats
-    assert not np.isfinite(stats.loss), "the mean loss must show the inf, not hide it"
-    assert stats.loss_scale == 2.0 ** 15, f"the scale should halve from 2**16, got {stats.loss_scale}"
+def test_the_scaler_skips_an_inf_step_and_halves_the_scale(device_name):
+    x, y = linear_batch(8)
+    model, optimizer, scaler = linear_setup(device_name, torch.float16)
+    stats = amp_train.train_epoch(model, [(x, y), (with_inf(x), y)], optimizer, nn.MSELoss(), scaler,
+                                  device_name, torch.float16)
+    reference, ref_optimizer, ref_scaler = linear_setup(device_name, torch.float16)
+    amp_train.train_epoch(reference, [(x, y)], ref_optimizer, nn.MSELoss(), ref_scaler, device_name, torch.float16)
+    assert torch.equal(model.weight, reference.weight), "the inf batch must not change the weights"
+    assert (stats["steps"], stats["skipped_steps"]) == (2, 1), stats
+    assert not math.isfinite(stats["loss"]), "the mean loss must show the inf, not hide it"
+    assert stats["loss_scale"] == 2.0 ** 15, f"the scale should halve from 2**16, got {stats['loss_scale']}"
 
 
 @pytest.mark.parametrize("kind", [{"foreach": False}, {"foreach": True}, {"fused": True}])
-@pytest.mark.parametrize("make", [
-    lambda params, kind: torch.optim.SGD(params, lr=0.01, **kind),
-    lambda params, kind: torch.optim.Adam(params, lr=0.01, **kind),
-])
+@pytest.mark.parametrize("make", [torch.optim.SGD, torch.optim.Adam])
 def test_skipped_steps_are_counted_for_plain_foreach_and_fused_optimizers(make, kind):
-    # A fused optimizer takes the scaler's inf check into its own kernel: its step() always
-    # runs, so counting step() calls would miss the skip.
-    x, y = amp_train.linear_batch(8)
-    bad_x = x.clone()
-    bad_x[0, 0] = float("inf")
-    torch.manual_seed(0)
-    model = nn.Linear(10, 1)
-    optimizer = make(model.parameters(), kind)
-    scaler = amp_train.make_scaler(CPU, torch.float16)
+    # A fused optimizer takes the inf check into its kernel: its step() always runs, so counting
+    # step() calls would miss the skip. This pins the private _found_inf_per_device's result.
+    x, y = linear_batch(8)
+    model, _, scaler = linear_setup("cpu", torch.float16)
+    optimizer = make(model.parameters(), lr=0.01, **kind)
     amp_train.train_epoch(model, [(x, y)], optimizer, nn.MSELoss(), scaler, CPU, torch.float16)
     before = [p.detach().clone() for p in model.parameters()]
-    stats = amp_train.train_epoch(model, [(bad_x, y)], optimizer, nn.MSELoss(), scaler, CPU, torch.float16)
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the inf step moved the weights"
-    assert (stats.steps, stats.skipped_steps, stats.loss_scale) == (1, 1, 2.0 ** 15), stats
+    stats = amp_train.train_epoch(model, [(with_inf(x), y), (x, y)], optimizer, nn.MSELoss(), scaler, "cpu",
+                                  torch.float16)
+    assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (2, 1, 2.0 ** 15), stats
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the good step did not move"
 
 
-def test_no_step_is_skipped_without_a_scaler():
-    model, stats = fit_linear(CPU, torch.bfloat16, 3)
-    assert (stats.steps, stats.skipped_steps, stats.loss_scale) == (1, 0, None), stats
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_skipped_steps_are_counted_when_the_parameters_sit_on_two_gpus():
+    class TwoGPUs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(10, 4).to("cuda:0"), nn.Linear(4, 1).to("cuda:1")
+        def forward(self, x):
+            return self.b(self.a(x).to("cuda:1")).to("cuda:0")
+    model = TwoGPUs()
+    x, y = linear_batch(8)
+    stats = amp_train.train_epoch(model, [(with_inf(x), y), (x, y)], torch.optim.SGD(model.parameters(), lr=0.01),
+                                  nn.MSELoss(), torch.amp.GradScaler("cuda"), "cuda:0", torch.float16)
+    assert (stats["steps"], stats["skipped_steps"]) == (2, 1), stats
 
 
 def test_clipping_acts_on_unscaled_gradients():
-    model, optimizer, scaler = linear_setup(CPU, torch.float16)
-    assert scaler.get_scale() == 2.0 ** 16
+    model, optimizer, scaler = linear_setup("cpu", torch.float16)
     seen = []  # the gradient norm as optimizer.step() sees it
     optimizer.register_step_pre_hook(lambda *_: seen.append(
         torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()))
-    x, y = amp_train.linear_batch(16)
-    max_norm = 0.01  # the true norm is ~1: clipping must act
-    stats = amp_train.train_epoch(model, [(x, y)], optimizer, nn.MSELoss(), scaler, CPU,
-                                  torch.float16, clip_grad_norm=max_norm)
-    assert stats.skipped_steps == 0 and len(seen) == 1, (stats, seen)
-    assert seen[0] <= max_norm * 1.001, f"optimizer saw gradient norm {seen[0]}, max is {max_norm}"
-    # Clipping the scaled gradients and unscaling afterwards would leave max_norm / 2**16.
-    assert seen[0] == pytest.approx(max_norm, rel=1e-3), f"clipped to {seen[0]}, not to {max_norm}"
+    x, y = linear_batch(16)
+    stats = amp_train.train_epoch(model, [(x, y)], optimizer, nn.MSELoss(), scaler, CPU, torch.float16,
+                                  clip_grad_norm=0.01)  # the true norm is ~1: clipping must act
+    assert stats["skipped_steps"] == 0 and len(seen) == 1, (stats, seen)
+    # Clipping the scaled gradients and unscaling afterwards would leave 0.01 / 2**16.
+    assert seen[0] == pytest.approx(0.01, rel=1e-3), f"clipped to {seen[0]}, not to 0.01"
 
 
-def test_loss_is_the_per_sample_mean_over_batches():
+def test_the_loss_is_the_per_sample_mean_over_batches_and_max_steps_counts_steps():
     model = nn.Linear(1, 1, bias=False)
     nn.init.zeros_(model.weight)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     batches = [(torch.zeros(3, 1), torch.ones(3, 1)), (torch.zeros(1, 1), torch.full((1, 1), 3.0))]
-    stats = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), amp_train.make_scaler(CPU, None),
-                                  CPU, None, max_steps=5)
-    assert stats.loss == pytest.approx((3 * 1 + 1 * 9) / 4), stats
-    assert (stats.steps, stats.samples) == (2, 4), stats
+    stats = amp_train.train_epoch(model, batches, torch.optim.SGD(model.parameters(), lr=0.0), nn.MSELoss(),
+                                  None, CPU, None)
+    assert stats["loss"] == pytest.approx((3 * 1 + 1 * 9) / 4) and (stats["steps"], stats["samples"]) == (2, 4)
+    x, y = linear_batch(4)
+    model, optimizer, _ = linear_setup()
+    stats = amp_train.train_epoch(model, [(x, y)] * 10, optimizer, nn.MSELoss(), None, CPU, None, max_steps=3)
+    assert (stats["steps"], stats["samples"]) == (3, 12), stats
 
 
-def test_max_steps_stops_the_epoch():
-    x, y = amp_train.linear_batch(4)
-    model, optimizer, scaler = linear_setup(CPU, None)
-    stats = amp_train.train_epoch(model, [(x, y)] * 10, optimizer, nn.MSELoss(), scaler, CPU, None, max_steps=3)
-    assert (stats.steps, stats.samples) == (3, 12), stats
-
-
-def test_evaluate_counts_correct_predictions():
-    model = nn.Linear(3, 3, bias=False)
-    with torch.no_grad():
-        model.weight.copy_(torch.eye(3))  # predicts the index of the largest input
-    inputs = torch.eye(3).repeat(2, 1)                 # predictions 0, 1, 2, 0, 1, 2
-    targets = torch.tensor([0, 1, 2, 0, 2, 1])         # 4 of 6 right
-    result = amp_train.evaluate(model, [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])],
-                                nn.CrossEntropyLoss(), CPU, torch.bfloat16)
-    assert result.accuracy == pytest.approx(4 / 6), result
-    assert result.samples == 6 and np.isfinite(result.loss), result
-    assert not model.training, "evaluate must put the model in eval mode"
-
-
-def test_evaluate_runs_under_inference_mode():
+def test_evaluate_counts_correct_predictions_under_inference_mode():
     seen = []
-    class Probe(nn.Linear):
+    class Identity(nn.Linear):
         def forward(self, x):
-            out = super().forward(x)
-            seen.append((torch.is_inference_mode_enabled(), out.requires_grad))
-            return out
-    amp_train.evaluate(Probe(3, 3), [(torch.randn(4, 3), torch.zeros(4, dtype=torch.long))],
-                       nn.CrossEntropyLoss(), CPU, None)
-    assert seen == [(True, False)], f"(inference mode on, output requires grad): {seen}"
+            seen.append((torch.is_inference_mode_enabled(), self.training))
+            return super().forward(x)
+    model = Identity(3, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))               # predicts the index of the largest input
+    inputs, targets = torch.eye(3).repeat(2, 1), torch.tensor([0, 1, 2, 0, 2, 1])  # 4 of 6 right
+    result = amp_train.evaluate(model, [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])],
+                                nn.CrossEntropyLoss(), "cpu", torch.bfloat16)
+    assert result["accuracy"] == pytest.approx(4 / 6) and result["samples"] == 6, result
+    assert seen == [(True, False)] * 2, f"(inference mode, training) in forward: {seen}"
 
 
 def test_evaluate_loss_is_the_per_sample_mean_over_unequal_batches():
     torch.manual_seed(0)
     logits, targets = torch.randn(5, 4) * 3, torch.tensor([0, 1, 2, 3, 0])
-    batches = [(logits[:4], targets[:4]), (logits[4:], targets[4:])]  # sizes 4 and 1, different losses
-    result = amp_train.evaluate(nn.Identity(), batches, nn.CrossEntropyLoss(), CPU, None)
+    result = amp_train.evaluate(nn.Identity(), [(logits[:4], targets[:4]), (logits[4:], targets[4:])],
+                                nn.CrossEntropyLoss(), CPU, None)
     expected = nn.functional.cross_entropy(logits, targets).item()  # the mean over all 5 samples
-    assert result.loss == pytest.approx(expected, rel=1e-6), (result.loss, expected)
+    assert result["loss"] == pytest.approx(expected, rel=1e-6), (result, expected)
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_the_size():
+    x, y = linear_batch(32, seed=3)
+    big, big_optimizer, _ = linear_setup()
+    amp_train.train_epoch(big, [(x, y)], big_optimizer, nn.MSELoss(), None, CPU, None)
+    small, small_optimizer, _ = linear_setup()
+    stats = amp_train.train_epoch(small, list(zip(x.split(8), y.split(8))), small_optimizer, nn.MSELoss(), None,
+                                  CPU, None, accum_steps=4)
+    assert (stats["steps"], stats["samples"]) == (1, 32), stats
+    # Measured difference: float32 rounding only (~1e-9); the tolerance leaves room for other CPUs.
+    assert torch.allclose(small.weight, big.weight, atol=1e-6, rtol=0), (small.weight - big.weight).abs().max()
+
+
+@pytest.mark.parametrize("wrap", [list, generator_of], ids=["list", "generator"])
+def test_a_shorter_last_group_steps_with_its_own_mean_gradient_and_no_gradient_survives(wrap):
+    x, y = linear_batch(12, seed=5)
+    model, optimizer, _ = linear_setup()
+    stats = amp_train.train_epoch(model, wrap(zip(x.split(4), y.split(4))), optimizer, nn.MSELoss(), None, CPU,
+                                  None, accum_steps=2)  # 3 micro-batches: a group of 2, then one of 1
+    reference, ref_optimizer, _ = linear_setup()
+    for inputs, targets in [(x[:8], y[:8]), (x[8:], y[8:])]:  # the docs' loop, batched as the groups are
+        nn.MSELoss()(reference(inputs), targets).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad(set_to_none=True)
+    assert stats["steps"] == 2, stats
+    assert torch.allclose(model.weight, reference.weight, atol=1e-6, rtol=0), (model.weight, reference.weight)
+    assert all(p.grad is None for p in model.parameters()), "a gradient survived the epoch"
+
+
+def test_accumulation_counts_optimizer_steps_and_skips_in_fp16():
+    x, y = linear_batch(8)
+    model, optimizer, scaler = linear_setup("cpu", torch.float16)
+    batches = [(x, y), (with_inf(x), y), (x, y), (x, y), (x, y)]  # groups of 2: [good, bad] [good, good] [good]
+    stats = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), scaler, CPU, torch.float16, accum_steps=2)
+    assert (stats["steps"], stats["skipped_steps"], stats["samples"]) == (3, 1, 40), stats
+    limited = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), scaler, CPU, torch.float16,
+                                    accum_steps=2, max_steps=1)
+    assert (limited["steps"], limited["samples"]) == (1, 16), limited
+
+
+# ---------------------------------------------------------------- host syncs
+
+SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__")
+
+
+def syncs_in_an_epoch(monkeypatch, batches, amp_dtype, make_optimizer):
+    """Counts the Python-visible reads of a tensor's value (each waits for the device) in one epoch."""
+    model = nn.Linear(10, 1)
+    optimizer, scaler = make_optimizer(model), amp_train.make_scaler(CPU, amp_dtype)
+    x, y = linear_batch(4)
+    count = [0]
+    with monkeypatch.context() as patch:
+        for name in SYNC_METHODS:
+            def counting(self, *args, _original=getattr(torch.Tensor, name), **kwargs):
+                count[0] += 1
+                return _original(self, *args, **kwargs)
+            patch.setattr(torch.Tensor, name, counting)
+        amp_train.train_epoch(model, [(x, y)] * batches, optimizer, nn.MSELoss(), scaler, CPU, amp_dtype)
+    return count[0]
+
+
+@pytest.mark.parametrize("precision,documented", [("fp32", 1), ("bf16", 1), ("fp16", 2)])
+def test_train_epoch_makes_the_host_syncs_its_docstring_counts(precision, documented, monkeypatch):
+    # "one at the end (two with a scaler)", with the examples' fused optimizer: none per step.
+    make = lambda model: amp_train.make_optimizer(model, 0.01)  # noqa: E731
+    counts = [syncs_in_an_epoch(monkeypatch, n, amp_train.PRECISIONS[precision], make) for n in (1, 10)]
+    assert counts == [documented, documented], f"host syncs in epochs of 1 and 10 steps: {counts}"
+    assert "one at the end (two with a" in amp_train.train_epoch.__doc__
+
+
+def test_the_sync_counter_sees_the_plain_optimizers_sync_under_fp16(monkeypatch):
+    # Proof that the counter works: scaler.step() with a plain optimizer reads found_inf every step.
+    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=0.01)  # noqa: E731
+    one, ten = (syncs_in_an_epoch(monkeypatch, n, torch.float16, sgd) for n in (1, 10))
+    assert ten == one + 9, (one, ten)
 
 
 # ---------------------------------------------------------------- measuring memory
@@ -233,100 +380,66 @@ def test_count_saved_tensors_counts_activations_and_weight_copies(amp_dtype, act
                                                                   by_dtype):
     model = nn.Linear(4, 3, bias=False)
     with amp_train.count_saved_tensors(model) as saved:
-        with amp_train.amp_context(CPU, amp_dtype):
+        with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
             model(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert saved == {"activation_bytes": activation_bytes, "weight_copy_bytes": weight_copy_bytes,
                      "activation_bytes_by_dtype": by_dtype}, saved
 
 
 def ops_of_one_step(model, batch, criterion, amp_dtype):
-    optimizer = amp_train.make_optimizer(model, 0.01)
-    scaler = amp_train.make_scaler(CPU, amp_dtype)
-    with amp_train.CountOps() as ops:
-        amp_train.train_epoch(model, [batch], optimizer, criterion, scaler, CPU, amp_dtype)
-    return ops.counts
+    return amp_train.measure_training(model, batch, criterion, CPU, amp_dtype, steps=1, warmup=0)["ops"]
 
 
-@pytest.mark.parametrize("model,batch,criterion,low,kept", [
-    (nn.Linear(10, 1), amp_train.linear_batch(8), nn.MSELoss(), {"addmm", "mm"}, {"mse_loss", "mse_loss_backward"}),
-    (amp_train.build_resnet18(), (torch.randn(2, 3, 32, 32), torch.tensor([0, 1])), nn.CrossEntropyLoss(),
-     {"convolution", "convolution_backward", "addmm", "mm"}, {"_log_softmax", "nll_loss_forward", "nll_loss_backward"}),
-])
-def test_the_op_count_shows_matmuls_in_bf16_and_the_loss_in_fp32(model, batch, criterion, low, kept):
-    counts = ops_of_one_step(model, batch, criterion, torch.bfloat16)
-    assert low <= set(counts["bfloat16"]), f"not all of {low} ran in bf16: {dict(counts)}"
-    assert kept <= set(counts["float32"]), f"not all of {kept} ran in fp32: {dict(counts)}"
-    assert not low & set(counts["float32"]) and not kept & set(counts["bfloat16"]), dict(counts)
-    assert counts["bfloat16"]["_to_copy"] > 0, "the casts that make the weight copies must be counted"
-    assert counts["float32"]["_fused_sgd_"] == 1, "the optimizer's update runs in fp32 on fp32 weights"
-    if "convolution" in low:
-        assert counts["bfloat16"]["convolution"] == 20, "ResNet18 has 20 convolutions"
+def test_the_op_count_holds_the_amp_step_alone():
+    # Forward, loss, backward and the optimizer's step; none of train_epoch's sums (zeros, mul, div, add_).
+    ops = ops_of_one_step(nn.Linear(10, 1), linear_batch(8), nn.MSELoss(), torch.bfloat16)
+    assert {dtype: set(o["top"]) for dtype, o in ops.items()} == {
+        "bfloat16": {"_to_copy", "addmm", "mm", "sum"},
+        "float32": {"_to_copy", "mse_loss", "ones_like", "mse_loss_backward", "_fused_sgd_"}}, ops
+    fp32 = ops_of_one_step(nn.Linear(10, 1), linear_batch(8), nn.MSELoss(), None)
+    assert set(fp32) == {"float32"} and fp32["float32"]["top"]["addmm"] == 1, fp32
 
 
-def test_the_op_count_of_an_fp32_step_has_nothing_in_low_precision():
-    counts = ops_of_one_step(nn.Linear(10, 1), amp_train.linear_batch(8), nn.MSELoss(), None)
-    assert set(counts) == {"float32"} and counts["float32"]["addmm"] == 1, dict(counts)
+def test_the_op_count_of_resnet18_shows_convolutions_in_bf16_and_the_loss_in_fp32():
+    args = amp_train.parse_args(RESNET_TINY)
+    model = amp_train.build_example(args, CPU)[0]
+    ops = ops_of_one_step(model, (torch.randn(2, 3, 32, 32), torch.tensor([0, 1])), nn.CrossEntropyLoss(),
+                          torch.bfloat16)
+    assert ops["bfloat16"]["top"]["convolution"] == 20, "ResNet18 has 20 convolutions, all in bf16"
+    assert {"_log_softmax", "nll_loss_forward", "nll_loss_backward"} <= set(ops["float32"]["top"]), ops
+    assert "convolution" not in ops["float32"]["top"], ops
 
 
 def test_autocast_halves_the_activation_memory_of_a_conv_net():
     torch.manual_seed(0)
     batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
-    fp32, bf16 = (amp_train.measure_training(small_conv_net, batch, nn.CrossEntropyLoss(), CPU, dtype,
-                                             steps=2, warmup=1) for dtype in (None, torch.bfloat16))
-    ratio = bf16["activation_bytes"] / fp32["activation_bytes"]
-    assert ratio < 0.6, f"bf16/fp32 activation bytes {ratio:.3f}: {bf16} vs {fp32}"
+    fp32, bf16 = (amp_train.measure_training(small_conv_net(), batch, nn.CrossEntropyLoss(), CPU, dtype, steps=3,
+                                             warmup=1) for dtype in (None, torch.bfloat16))
+    assert bf16["activation_bytes"] / fp32["activation_bytes"] < 0.6, (bf16, fp32)
     assert fp32["weight_copy_bytes"] == 0 and bf16["weight_copy_bytes"] > 0, (fp32, bf16)
-    assert fp32["peak_bytes"] is None and bf16["peak_bytes"] is None, "no peak memory number on the CPU"
-    assert fp32["step_seconds"] > 0 and abs(bf16["final_loss"] - fp32["final_loss"]) < 0.05, (fp32, bf16)
+    assert fp32["peak_bytes"] is None, "no peak memory number on the CPU"
+    assert 0 < bf16["step_seconds_min"] <= bf16["step_seconds"] <= bf16["step_seconds_max"], bf16
 
 
-def test_memory_example_json_has_the_documented_keys(capsys):
-    argv = ["--device", "cpu", "--example", "memory", "--model", "linear", "--steps", "2", "--json"]
-    assert amp_train.main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
-    assert {"device", "model", "batch_size", "precision", "fp32", "amp", "ratio"} <= set(result), result
-    assert (result["device"], result["model"], result["batch_size"], result["precision"]) == \
-        ("cpu", "linear", 128, "bf16"), result
-    for run in ("fp32", "amp"):
-        assert isinstance(result[run]["activation_bytes"], int) and result[run]["activation_bytes"] > 0
-        assert result[run]["peak_bytes"] is None, "peak memory is CUDA only: null on the CPU"
-        assert isinstance(result[run]["step_seconds"], float) and isinstance(result[run]["final_loss"], float)
-    assert result[run]["reserved_bytes"] is None, "reserved memory is CUDA only: null on the CPU"
-    assert set(result["ratio"]) == {k for k, v in result["fp32"].items() if not isinstance(v, dict)}, result["ratio"]
-    assert result["amp"]["ops"]["bfloat16"]["top"]["addmm"] == 1, result["amp"]["ops"]
-    assert all(set(ops) == {"calls", "top"} for ops in result["amp"]["ops"].values()), result["amp"]["ops"]
-    assert result["loader_samples_per_second"] > 0, result
-    assert result["ratio"]["peak_bytes"] is None and 0 < result["ratio"]["activation_bytes"] < 1, result["ratio"]
-
-
-def test_memory_example_table_for_resnet(capsys):
-    assert amp_train.main(["--device", "cpu", "--example", "memory", "--batch-size", "4", "--steps", "1"]) == 0
+def test_the_memory_example_prints_a_table_with_the_spread_of_step_times(capsys):
+    assert amp_train.main(["--device", "cpu", "--example", "memory", "--batch-size", "4", "--steps", "3"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^activation memory +[\d.]+ MiB +[\d.]+ MiB +0\.\d\d$", out, re.M), out
+    assert re.search(r"^activation memory +[\d.]+ [KM]iB +[\d.]+ [KM]iB +0\.\d\d$", out, re.M), out
     assert re.search(r"^peak device memory +n/a +n/a +n/a$", out, re.M), out
-    assert re.search(r"^loader samples/s +(\d+) +\1 +n/a$", out, re.M), out
+    for row in ("median", "min", "max"):
+        assert re.search(rf"^step time {row} +[\d.]+ ms +[\d.]+ ms +[\d.]+$", out, re.M), out
     assert re.search(r"^  bfloat16 +\d+ calls: .*convolution x20", out, re.M), out
-    assert re.search(r"^  float32 +\d+ calls: ", out, re.M), out
-    assert re.search(r"Of the bf16 run's activations, [\d.]+ MiB bfloat16, [\d.]+ MiB int64", out), out
-    assert "bf16 autocast kept 0." in out and "model resnet18 | batch 4" in out, out
-    assert re.search(r"the (bf16 step, not the loader,|loader) limits throughput", out), out
-
-
-def test_memory_example_says_the_linear_model_has_nothing_to_save(capsys):
-    assert amp_train.main(["--device", "cpu", "--example", "memory", "--model", "linear", "--steps", "1"]) == 0
-    assert "a model this small has nothing to save" in capsys.readouterr().out
+    assert re.search(r"^bf16 activations by dtype: bfloat16 [\d.]+ KiB, int64 [\d.]+ KiB", out, re.M), out
+    assert "model resnet18 | batch 4 | 3 warm-up + 3 timed steps" in out, out
 
 
 # ---------------------------------------------------------------- data
 
 def test_synthetic_data_is_seeded_and_split():
     images, labels = amp_train.synthetic_cifar10(20, seed=1)
-    again, _ = amp_train.synthetic_cifar10(20, seed=1)
-    test, _ = amp_train.synthetic_cifar10(20, seed=1, train=False)
-    assert images.shape == (20, 3, 32, 32) and images.dtype is torch.uint8, (images.shape, images.dtype)
-    assert labels.shape == (20,) and 0 <= labels.min() and labels.max() < 10, labels
-    assert torch.equal(images, again), "the same seed must give the same images"
-    assert not torch.equal(images, test), "train and test must differ"
+    assert images.shape == (20, 3, 32, 32) and images.dtype is torch.uint8 and 0 <= labels.min() < labels.max() < 10
+    assert torch.equal(images, amp_train.synthetic_cifar10(20, seed=1)[0]), "the same seed must give the same images"
+    assert not torch.equal(images, amp_train.synthetic_cifar10(20, seed=1, train=False)[0]), "train and test differ"
 
 
 def write_tiny_cifar10(root, per_batch=2):
@@ -343,20 +456,17 @@ def write_tiny_cifar10(root, per_batch=2):
         pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
 
 
-def test_cifar10_loaders_read_the_real_format(tmp_path, monkeypatch):
+def test_cifar10_is_read_in_its_real_format_and_normalized(tmp_path, monkeypatch):
     import torchvision.datasets.cifar
     write_tiny_cifar10(tmp_path)
-    # Our files cannot match torchvision's md5 sums: patch only that check.
-    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)
-    train, test = amp_train.image_loaders("cifar10", str(tmp_path), batch_size=4, device=CPU)
-    assert (len(train.targets), len(test.targets)) == (10, 2)
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)  # our md5s differ
+    args = amp_train.parse_args(["--data-root", str(tmp_path), "--batch-size", "4"])
+    _, _, train, test = amp_train.build_example(args, CPU)
     images, labels = next(iter(test))
-    assert images.shape == (2, 3, 32, 32) and labels.tolist() == [0, 1]
     mean, std = torch.tensor(amp_train.CIFAR10_MEAN), torch.tensor(amp_train.CIFAR10_STD)
     expected = ((torch.tensor([10.0, 11.0]) / 255)[:, None] - mean) / std   # test_batch holds values 10, 11
-    assert torch.allclose(images[:, :, 5, 5], expected, atol=1e-6), images[:, :, 5, 5]
-    seen = sorted(int(label) for _, batch in train for label in batch)
-    assert seen == sorted(v % 10 for v in range(10)), seen
+    assert labels.tolist() == [0, 1] and torch.allclose(images[:, :, 5, 5], expected, atol=1e-6), images[:, :, 5, 5]
+    assert sorted(int(label) for _, batch in train for label in batch) == list(range(10))
 
 
 def epoch_batches(loader, epoch):
@@ -364,191 +474,287 @@ def epoch_batches(loader, epoch):
     return [(inputs.clone(), targets.clone()) for inputs, targets in loader]
 
 
-def test_train_order_depends_on_seed_and_epoch_only():
+def test_the_order_depends_on_seed_and_epoch_only():
     def order(seed, epoch):
         loader = amp_train.DeviceLoader(torch.arange(32), torch.arange(32), 8, CPU, shuffle=True, seed=seed)
         return torch.cat([targets for _, targets in epoch_batches(loader, epoch)]).tolist()
     assert sorted(order(0, 1)) == list(range(32)), "an epoch must see every sample once"
-    assert order(0, 1) == order(0, 1), "same seed and epoch must give the same order"
-    assert order(0, 1) != order(0, 2), "each epoch must be shuffled anew"
-    assert order(0, 1) != order(1, 1), "the seed must change the order"
-
-
-def test_same_seed_and_epoch_give_the_same_augmented_batches():
-    images, labels = amp_train.synthetic_cifar10(64, seed=0)
-    def batches(seed, epoch):
-        loader = amp_train.DeviceLoader(images, labels, 16, CPU, amp_train.cifar10_transform(CPU, augment=True),
-                                        shuffle=True, seed=seed)
-        return epoch_batches(loader, epoch)
-    first, again, later = batches(0, 3), batches(0, 3), batches(0, 4)
-    assert len(first) == 4 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-                                   for a, b in zip(first, again)), "the same (seed, epoch) must repeat exactly"
-    assert not torch.equal(first[0][0], later[0][0]), "another epoch must give other batches"
-    assert first[0][0].is_contiguous(memory_format=torch.channels_last), "inputs go to the conv net as NHWC"
+    assert order(0, 1) == order(0, 1) and order(0, 1) != order(0, 2) and order(0, 1) != order(1, 1)
 
 
 def test_each_process_draws_crops_of_its_own():
     image = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    images, labels = image.repeat(16, 1, 1, 1), torch.zeros(16, dtype=torch.long)  # one image, 16 times
-    batches = []
-    for rank in range(2):
-        loader = amp_train.DeviceLoader(images, labels, 8, CPU, amp_train.cifar10_transform(CPU, augment=True),
-                                        shuffle=True, rank=rank, world_size=2)
-        batches.append(next(iter(loader))[0])
+    batches = [next(iter(amp_train.DeviceLoader(image.repeat(16, 1, 1, 1), torch.zeros(16), 8, CPU,
+                                                amp_train.cifar10_transform(CPU, augment=True), shuffle=True,
+                                                rank=rank, world_size=2)))[0] for rank in range(2)]
     assert not torch.equal(batches[0], batches[1]), "both processes cropped and flipped their batch alike"
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_processes_get_disjoint_shards(shuffle):
-    n, world = 23, 3
-    shards = []
+    n, world, shards = 23, 3, []
     for rank in range(world):
-        loader = amp_train.DeviceLoader(torch.arange(n), torch.arange(n), 4, CPU, shuffle=shuffle,
-                                        rank=rank, world_size=world)
-        loader.set_epoch(5)
-        shards.append(torch.cat([targets for _, targets in loader]).tolist())
+        loader = amp_train.DeviceLoader(torch.arange(n), torch.arange(n), 4, CPU, shuffle=shuffle, rank=rank,
+                                        world_size=world)
+        shards.append(torch.cat([targets for _, targets in epoch_batches(loader, 5)]).tolist())
         assert len(loader) == math.ceil(len(shards[-1]) / 4), "len() must count the batches"
     seen = [i for shard in shards for i in shard]
     assert len(seen) == len(set(seen)), f"a sample went to two processes: {shards}"
-    if shuffle:  # equal shards, so that every process takes as many steps; 23 % 3 samples wait
+    if shuffle:  # equal shards, so that every process takes as many steps
         assert {len(shard) for shard in shards} == {n // world}, shards
     else:        # evaluation: every sample exactly once
         assert sorted(seen) == list(range(n)), shards
-
-
-def find_window(padded, out):
-    """The (dy, dx, mirrored) whose 32x32 window of `padded`, mirrored or not, equals `out`, or None."""
-    import torchvision.transforms.v2.functional as TF
-    for dy in range(9):
-        for dx in range(9):
-            window = TF.crop(padded, dy, dx, 32, 32)
-            for mirrored in (False, True):
-                if torch.equal(TF.horizontal_flip(window) if mirrored else window, out):
-                    return dy, dx, mirrored
-    return None
 
 
 def test_every_augmented_image_is_a_window_of_the_padded_image_possibly_mirrored():
     import torchvision.transforms.v2.functional as TF
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     out = amp_train.random_crop_flip(images, torch.Generator().manual_seed(1))
-    assert out.shape == images.shape and out.dtype is torch.uint8, (out.shape, out.dtype)
-    windows = [find_window(TF.pad(image, [4]), augmented) for image, augmented in zip(images, out)]
+    windows = []
+    for image, augmented in zip(images, out):  # torchvision's pad, crop and flip, by brute force
+        padded = TF.pad(image, [4])
+        windows.append(next(((dy, dx, m) for dy in range(9) for dx in range(9) for m in (False, True)
+                             if torch.equal((TF.horizontal_flip if m else (lambda t: t))(TF.crop(padded, dy, dx, 32, 32)),
+                                            augmented)), None))
     assert None not in windows, f"image {windows.index(None)} is no window of its padded image"
-    offsets = {(dy, dx) for dy, dx, _ in windows}
-    assert len(offsets) > 20, f"the offsets must differ per sample: {sorted(offsets)}"
-    assert {m for _, _, m in windows} == {False, True}, "some images must be mirrored, some not"
-    assert {dy for dy, _, _ in windows} == set(range(9)) and {dx for _, dx, _ in windows} == set(range(9)), \
-        "every offset from 0 to 8 must be possible"
+    assert len({(dy, dx) for dy, dx, _ in windows}) > 20 and {m for _, _, m in windows} == {False, True}, windows
+    assert {dy for dy, _, _ in windows} == set(range(9)) == {dx for _, dx, _ in windows}, windows
 
 
-# ---------------------------------------------------------------- no host sync per step
-
-SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__")
-
-
-@contextlib.contextmanager
-def count_host_syncs(monkeypatch):
-    """Counts the Python-visible reads of a tensor's value (each waits for the device)."""
-    count = [0]
-    with monkeypatch.context() as patch:
-        for name in SYNC_METHODS:
-            def counting(self, *args, _original=getattr(torch.Tensor, name), **kwargs):
-                count[0] += 1
-                return _original(self, *args, **kwargs)
-            patch.setattr(torch.Tensor, name, counting)
-        yield count
+def test_channels_last_resnet_matches_the_contiguous_one():
+    torch.manual_seed(0)
+    channels_last = amp_train.build_example(amp_train.parse_args(RESNET_TINY), CPU)[0]
+    import torchvision
+    contiguous = torchvision.models.resnet18(num_classes=10)
+    contiguous.load_state_dict(channels_last.state_dict())
+    assert channels_last.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    for model in (channels_last, contiguous):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for (name, a), b in zip(channels_last.named_parameters(), contiguous.parameters()):
+        # fp32 sums in another order; measured here: at most 1.8e-4 of the gradient's norm.
+        assert ((a.grad - b.grad).norm() / b.grad.norm()).item() < 1e-3, f"{name}'s gradient differs"
 
 
-def syncs_in_an_epoch(monkeypatch, batches, amp_dtype, make_optimizer):
-    model = nn.Linear(10, 1)
-    optimizer = make_optimizer(model)
-    scaler = amp_train.make_scaler(CPU, amp_dtype)
-    x, y = amp_train.linear_batch(4)
-    with count_host_syncs(monkeypatch) as count:
-        amp_train.train_epoch(model, [(x, y)] * batches, optimizer, nn.MSELoss(), scaler, CPU, amp_dtype)
-    return count[0]
+# ---------------------------------------------------------------- every flag, through main()
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records what main() hands train_epoch each epoch: the batches, the flags' arguments, the
+    model's output dtypes, and each optimizer step with the gradient norm it saw."""
+    calls, real = [], amp_train.train_epoch
+
+    def recording(model, loader, optimizer, criterion, scaler, device, amp_dtype, *args):
+        call = {"batches": [], "args": args, "forwards": 0, "norms": [], "dtypes": set(), "optimizer": optimizer,
+                "weight": next(model.parameters()).detach().clone()}
+        def batches():
+            for inputs, targets in loader:
+                call["batches"].append((inputs.clone(), targets.clone()))
+                yield inputs, targets
+        def forward_hook(module, inputs, output):
+            call["forwards"] += 1
+            call["dtypes"].add(output.dtype)
+        def step_hook(*_):
+            call["norms"].append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item())
+        hooks = [model.register_forward_hook(forward_hook), optimizer.register_step_pre_hook(step_hook)]
+        call["stats"] = real(model, batches(), optimizer, criterion, scaler, device, amp_dtype, *args)
+        for hook in hooks:
+            hook.remove()
+        calls.append(call)
+        return call["stats"]
+    monkeypatch.setattr(amp_train, "train_epoch", recording)
+    return calls
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_train_epoch_makes_no_host_sync_per_step(precision, monkeypatch):
-    amp_dtype = amp_train.PRECISIONS[precision]
-    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=0.01)
-    one, ten = (syncs_in_an_epoch(monkeypatch, n, amp_dtype, sgd) for n in (1, 10))
-    assert one == ten, f"{one} host syncs in an epoch of 1 step, {ten} in one of 10"
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_examples_optimizer_makes_no_host_sync_per_step(precision, monkeypatch):
-    make_optimizer = lambda model: amp_train.make_optimizer(model, 0.01)
-    amp_dtype = amp_train.PRECISIONS[precision]
-    one, ten = (syncs_in_an_epoch(monkeypatch, n, amp_dtype, make_optimizer) for n in (1, 10))
-    assert one == ten, f"{one} host syncs in an epoch of 1 step, {ten} in one of 10"
-
-
-def test_the_sync_counter_sees_the_plain_optimizers_sync_under_fp16(monkeypatch):
-    # Proof that the counter works: scaler.step() with a plain optimizer reads found_inf every step.
-    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=0.01)
-    one, ten = (syncs_in_an_epoch(monkeypatch, n, torch.float16, sgd) for n in (1, 10))
-    assert ten > one, (one, ten)
-
-
-# ---------------------------------------------------------------- the command line
-
-def test_linear_example_runs_and_learns(capsys):
-    assert amp_train.main(["--example", "linear", "--epochs", "20", "--device", "cpu"]) == 0
+def test_example_linear_runs_the_post_program_and_learns(spy, capsys):
+    assert amp_train.main(LINEAR + ["--epochs", "20"]) == 0
     out = capsys.readouterr().out
     losses = [float(x) for x in re.findall(r"^epoch +\d+/20 \| train loss ([\d.]+)", out, re.M)]
-    assert len(losses) == 20, out
-    assert losses[-1] < losses[0], f"loss did not fall: {losses}"
-    assert "precision bf16 | scaler off" in out, out
+    assert len(losses) == 20 == len(spy) and losses[-1] < losses[0] - 0.1, losses
+    assert "example linear" in out and "precision bf16 | scaler off" in out and " step " not in out, out
+    assert [len(c["batches"]) for c in spy] == [1] * 20 and spy[0]["batches"][0][0].shape == (128, 10)
 
 
-def test_linear_example_in_fp16_uses_the_scaler(capsys):
-    assert amp_train.main(["--device", "cpu", "--example", "linear", "--epochs", "2", "--precision", "fp16"]) == 0
+def test_example_resnet_trains_and_evaluates_every_epoch(capsys):
+    assert amp_train.main(RESNET_TINY + ["--epochs", "2", "--lr", "0.05"]) == 0
     out = capsys.readouterr().out
-    assert "scaler on" in out and "scale 65536 | skipped 0" in out, out
-
-
-def test_resnet_example_runs_on_synthetic_data(capsys):
-    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "2", "--max-steps", "2",
-            "--batch-size", "4", "--clip-grad-norm", "5"]
-    assert amp_train.main(argv) == 0
-    out = capsys.readouterr().out
-    line = (r"^epoch 2/2 \| train loss [\d.]+ \| test loss [\d.]+ \| test acc +[\d.]+% \| lr 0\.01 \| "
+    line = (r"^epoch 2/2 \| train loss [\d.]+ \| test loss [\d.]+ \| test acc +[\d.]+% \| lr 0\.05 \| "
             r"scale off \| skipped 0 \| \d+ img/s \| [\d.]+ s$")
-    assert re.search(line, out, re.M), out
-    assert "model resnet18 | data synthetic | batch 4" in out, out
+    assert re.search(line, out, re.M) and "model resnet18 | data synthetic | batch 4" in out, out
 
 
-def test_resnet_in_fp16_on_cpu_warns_and_runs(capsys):
-    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "1",
-            "--batch-size", "2", "--precision", "fp16", "--device", "cpu"]
+@pytest.mark.parametrize("precision,dtype,scale", [("fp32", torch.float32, "off"), ("bf16", torch.bfloat16, "off"),
+                                                   ("fp16", torch.float16, "65536")])
+def test_precision_sets_the_dtype_autocast_computes_in(precision, dtype, scale, spy, capsys):
+    assert amp_train.main(LINEAR + ["--epochs", "1", "--precision", precision]) == 0
+    assert spy[0]["dtypes"] == {dtype}, spy[0]["dtypes"]
+    assert f"| scale {scale} |" in capsys.readouterr().out
+
+
+def test_device_cpu_is_used_and_cuda_without_a_gpu_exits_2(monkeypatch, spy, capsys):
+    assert amp_train.main(LINEAR + ["--epochs", "1"]) == 0 and "device cpu" in capsys.readouterr().out
+    assert spy[0]["batches"][0][0].device.type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--device cpu" in run_bad(["--example", "linear", "--device", "cuda"], capsys)
+
+
+def test_device_cuda_takes_gpu_0_and_turns_on_cudnn_benchmark(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    seen = {}
+    monkeypatch.setattr(amp_train, "run_training", lambda args, device, *rest: seen.update(
+        device=device, benchmark=torch.backends.cudnn.benchmark, precision=args.precision) or 0)
+    assert amp_train.main(["--example", "linear", "--device", "cuda"]) == 0
+    assert seen == {"device": torch.device("cuda", 0), "benchmark": True, "precision": "fp16"}, seen
+
+
+def test_epochs_sets_the_number_of_epochs(spy, capsys):
+    assert amp_train.main(LINEAR + ["--epochs", "3"]) == 0
+    assert len(spy) == 3 and len(epoch_lines(capsys.readouterr().out)) == 3
+
+
+@pytest.mark.parametrize("example", [RESNET_TINY, LINEAR])
+def test_batch_size_sets_the_batches(example, spy, capsys):
+    assert amp_train.main(example + ["--epochs", "1", "--batch-size", "6"]) == 0
+    assert {len(targets) for _, targets in spy[0]["batches"]} == {6}, [len(t) for _, t in spy[0]["batches"]]
+
+
+def test_lr_sets_the_size_of_the_step(spy, capsys):
+    moves = []
+    for lr in ("0.01", "0.04"):
+        assert amp_train.main(LINEAR + ["--epochs", "1", "--precision", "fp32", "--lr", lr]) == 0
+        moves.append((spy[-1]["optimizer"].param_groups[0]["params"][0] - spy[-1]["weight"]).abs().sum().item())
+    assert moves[1] == pytest.approx(4 * moves[0], rel=1e-4), moves
+
+
+def test_data_and_data_root_choose_what_resnet_trains_on(tmp_path, monkeypatch, spy, capsys):
+    import torchvision.datasets.cifar
+    write_tiny_cifar10(tmp_path / "cifar", per_batch=4)  # each image one value all over
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)  # our md5s differ
+    argv = ["--device", "cpu", "--example", "resnet", "--epochs", "1", "--batch-size", "4", "--max-steps", "2"]
+    assert amp_train.main(argv + ["--data-root", str(tmp_path / "cifar")]) == 0
+    assert "data cifar10" in capsys.readouterr().out
+    images = torch.cat([x for x, _ in spy[0]["batches"]])
+    crops_of_flat_images = (images == images.amax((2, 3), keepdim=True)) | (images == images.amin((2, 3), keepdim=True))
+    assert crops_of_flat_images.all(), "these are not the images of --data-root (flat, but for the crops' zero padding)"
+    assert amp_train.main(argv + ["--data", "synthetic", "--data-root", str(tmp_path / "cifar")]) == 0
+    assert "data synthetic" in capsys.readouterr().out
+    images = torch.cat([x for x, _ in spy[1]["batches"]])
+    assert not ((images == images.amax((2, 3), keepdim=True)) | (images == images.amin((2, 3), keepdim=True))).all()
+
+
+def test_missing_cifar10_exits_2_and_says_what_to_do(tmp_path, monkeypatch, capsys):
+    import torchvision.datasets.cifar
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+    monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive", offline)
+    err = run_bad(["--device", "cpu", "--example", "resnet", "--data-root", str(tmp_path / "data")], capsys)
+    assert str(tmp_path / "data") in err and "cifar-10-python.tar.gz" in err and "--data synthetic" in err, err
+    assert "no network" in err, "the cause of the failed download must be named"
+
+
+def test_max_steps_ends_each_epoch_and_its_evaluation(monkeypatch, spy, capsys):
+    evaluated, evaluate = [], amp_train.evaluate
+    monkeypatch.setattr(amp_train, "evaluate", lambda model, loader, *args: evaluated.append(args[-1]) or evaluate(
+        model, loader, *args))
+    assert amp_train.main(RESNET_TINY + ["--epochs", "2", "--max-steps", "3"]) == 0
+    assert [c["stats"]["steps"] for c in spy] == [3, 3] and evaluated == [3, 3], (spy, evaluated)
+    assert "steps/epoch 3" in capsys.readouterr().out
+
+
+def test_clip_grad_norm_caps_the_norm_the_optimizer_sees(spy, capsys):
+    argv = LINEAR + ["--epochs", "3", "--precision", "bf16"]
     assert amp_train.main(argv) == 0
+    assert min(n for c in spy for n in c["norms"]) > 0.5, "without clipping the norm is ~1 here"
+    assert amp_train.main(argv + ["--clip-grad-norm", "0.5"]) == 0
+    assert [n for c in spy[3:] for n in c["norms"]] == pytest.approx([0.5] * 3, rel=1e-3), spy[3:]
+
+
+def test_accum_steps_steps_the_optimizer_once_per_k_micro_batches(spy, capsys):
+    assert amp_train.main(RESNET_TINY + ["--epochs", "1", "--accum-steps", "3"]) == 0
+    assert (spy[0]["forwards"], len(spy[0]["norms"])) == (6, 2), "2 optimizer steps of 3 micro-batches each"
+    assert "batch 4 x 3 accumulated | processes 1 | global batch 12" in capsys.readouterr().out
+
+
+def test_seed_sets_the_weights_and_the_data(spy, capsys):
+    for seed in ("0", "0", "1"):
+        assert amp_train.main(RESNET_TINY + ["--epochs", "1", "--max-steps", "1", "--seed", seed]) == 0
+    same, other = (torch.equal(spy[0][key], spy[i][key]) if key == "weight" else
+                   torch.equal(spy[0]["batches"][0][0], spy[i]["batches"][0][0]) for i in (1, 2) for key in ("weight",))
+    assert same and not other, "the same seed must give the same weights, another seed others"
+    assert torch.equal(spy[0]["batches"][0][0], spy[1]["batches"][0][0])
+    assert not torch.equal(spy[0]["batches"][0][0], spy[2]["batches"][0][0]), "another seed must give other batches"
+
+
+def test_each_epoch_reshuffles_and_recrops(spy, capsys):
+    assert amp_train.main(RESNET_TINY + ["--epochs", "2", "--max-steps", "1"]) == 0
+    (x1, y1), (x2, y2) = spy[0]["batches"][0], spy[1]["batches"][0]
+    assert not torch.equal(y1, y2), "two epochs saw the same order"
+    images, labels = amp_train.synthetic_cifar10(10_000)
+    loader = amp_train.DeviceLoader(images, labels, 4, CPU, amp_train.cifar10_transform(CPU, augment=False),
+                                    shuffle=True)
+    plain = [next(iter(epoch_batches(loader, epoch)))[0] for epoch in (0, 1)]
+    assert not torch.equal(x1, plain[0]) and not torch.equal(x2, plain[1]), "the training images were not cropped"
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")  # the stub makes no optimizer step
+def test_epochs_of_100_steps_or_more_ask_for_a_progress_line_every_50(monkeypatch, capsys):
+    asked = []
+    def stub(model, loader, optimizer, criterion, scaler, device, amp_dtype, *args):  # no training: the wiring
+        asked.append(args[-1])
+        return {"loss": 1.0, "steps": 1, "skipped_steps": 0, "samples": 1, "seconds": 1.0, "loss_scale": None}
+    monkeypatch.setattr(amp_train, "train_epoch", stub)
+    monkeypatch.setattr(amp_train, "evaluate", lambda *args: {"loss": 1.0, "accuracy": 0.0, "samples": 1})
+    for steps in ("99", "100"):
+        assert amp_train.main(RESNET_TINY + ["--epochs", "1", "--max-steps", steps, "--batch-size", "1"]) == 0
+    assert asked == [0, 50], f"log_every for epochs of 99 and 100 steps: {asked}"
+
+
+def test_train_epoch_prints_a_progress_line_every_log_every_steps(capsys):
+    x, y = linear_batch(4)
+    model, optimizer, _ = linear_setup()
+    amp_train.train_epoch(model, [(x, y)] * 5, optimizer, nn.MSELoss(), None, CPU, None, log_every=2)
+    out = capsys.readouterr().out
+    assert re.findall(r"^  step (\d+) \| loss [\d.]+ \| \d+ samples/s$", out, re.M) == ["2", "4"], out
+
+
+def test_the_lr_falls_tenfold_every_lr_step_epochs(monkeypatch, capsys):
+    monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 2)
+    assert amp_train.main(RESNET_TINY + ["--epochs", "3", "--max-steps", "1"]) == 0
+    lrs = [float(x) for x in re.findall(r"\| lr ([\d.e-]+) \|", capsys.readouterr().out)]
+    assert lrs == pytest.approx([0.01, 0.01, 0.001]), lrs
+
+
+@pytest.mark.parametrize("model,op", [("linear", "addmm"), ("resnet18", "convolution")])
+def test_memory_model_steps_and_json(model, op, spy, capsys):
+    argv = ["--device", "cpu", "--example", "memory", "--model", model, "--batch-size", "4", "--steps", "2", "--json"]
+    assert amp_train.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(spy) == 2 * (amp_train.MEMORY_WARMUP_STEPS + 2), "3 warm-up and 2 timed steps, fp32 then bf16"
+    assert (result["model"], result["batch_size"], result["precision"], result["steps"]) == (model, 4, "bf16", 2)
+    assert op in result["amp"]["ops"]["bfloat16"]["top"], result["amp"]["ops"]
+    assert result["fp32"]["peak_bytes"] is None and result["tf32"] is None, "CUDA only: null on the CPU"
+    assert set(result["ratio"]) == {k for k, v in result["fp32"].items() if not isinstance(v, dict)}, result["ratio"]
+    assert 0 < result["ratio"]["activation_bytes"] < 1 and result["amp"]["activation_bytes_by_dtype"], result
+
+
+def test_fp16_on_the_cpu_warns_for_convolutions(capsys):
+    assert amp_train.main(RESNET_TINY + ["--epochs", "1", "--max-steps", "1", "--batch-size", "2",
+                                         "--precision", "fp16"]) == 0
     captured = capsys.readouterr()
-    assert "fp16 convolutions are very slow on CPUs" in captured.err, captured.err
-    assert "scale 65536" in captured.out or "scale 32768" in captured.out, captured.out
-
-
-def run_bad(argv, capsys):
-    code = amp_train.main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, f"{argv} gave exit {code}: {err}"
-    assert err.count("\n") == 1 and err.startswith("error: "), f"want one error line, got: {err!r}"
-    assert "Traceback" not in err
-    return err
+    assert "fp16 convolutions are very slow on CPUs" in captured.err and "scaler on" in captured.out, captured
 
 
 @pytest.mark.parametrize("argv", [
     ["--example", "nope"], ["--precision", "fp8"], ["--device", "tpu"], ["--data", "imagenet"],
-    ["--epochs", "0"], ["--epochs", "-3"], ["--batch-size", "0"], ["--max-steps", "0"],
-    ["--lr", "0"], ["--lr", "-0.1"], ["--lr", "nan"], ["--lr", "abc"], ["--clip-grad-norm", "0"],
-    ["--no-such-flag"], ["--device", "cpu", "--example", "memory", "--precision", "fp32"],
-    ["--example", "memory", "--steps", "0"],
-    ["--device", "cpu", "--example", "memory", "--model", "vgg"],
-    ["--seed", "18446744073709551616"], ["--seed", "-1"], ["--accum-steps", "1" + "0" * 30],
-    ["--lr", "1e300"], ["--lr", "inf"], ["--epochs", str(2**31)],
-    ["--example", "memory", "--checkpoint", "x.pt"],
+    ["--epochs", "0"], ["--epochs", "-3"], ["--batch-size", "0"], ["--max-steps", "0"], ["--epochs", str(2**31)],
+    ["--lr", "0"], ["--lr", "-0.1"], ["--lr", "nan"], ["--lr", "abc"], ["--lr", "1e300"], ["--lr", "inf"],
+    ["--clip-grad-norm", "0"], ["--accum-steps", "1" + "0" * 30], ["--seed", "18446744073709551616"],
+    ["--seed", "-1"], ["--no-such-flag"], ["--example", "memory", "--steps", "0"],
+    ["--device", "cpu", "--example", "memory", "--precision", "fp32"],
+    ["--device", "cpu", "--example", "memory", "--model", "vgg"], ["--example", "memory", "--run-dir", "x"],
+    ["--device", "cpu", "--example", "linear", "--resume"],
 ])
 def test_bad_flags_exit_2_with_one_line(argv, capsys):
     run_bad(argv, capsys)
@@ -563,21 +769,10 @@ def test_out_of_memory_exits_2_and_names_the_batch_size(error, monkeypatch, caps
     def too_big(*args, **kwargs):
         raise error
     monkeypatch.setattr(amp_train, "build_example", too_big)
-    err = run_bad(["--device", "cpu", "--example", "linear", "--batch-size", "1000000000"], capsys)
-    assert "out of memory at --batch-size 1000000000" in err, err
-
-
-def test_other_runtime_errors_are_not_called_out_of_memory(monkeypatch):
-    def broken(*args, **kwargs):
-        raise RuntimeError("a bug")
-    monkeypatch.setattr(amp_train, "build_example", broken)
+    assert "out of memory at --batch-size 1000000000" in run_bad(LINEAR + ["--batch-size", "1000000000"], capsys)
+    monkeypatch.setattr(amp_train, "build_example", lambda *a: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
-        amp_train.main(["--device", "cpu", "--example", "linear"])
-
-
-def test_cuda_without_a_gpu_exits_2(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "--device cpu" in run_bad(["--example", "linear", "--device", "cuda"], capsys)
+        amp_train.main(LINEAR)
 
 
 def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
@@ -585,129 +780,21 @@ def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    argv = ["--example", "linear", "--device", "cuda", "--precision", "bf16"]
-    assert "--precision fp16" in run_bad(argv, capsys)
+    assert "--precision fp16" in run_bad(["--example", "linear", "--device", "cuda", "--precision", "bf16"], capsys)
 
 
-def test_cuda_turns_on_cudnn_benchmark(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    seen = {}
-    monkeypatch.setattr(amp_train, "run_training", lambda args, device, *rest: seen.update(
-        device=device, benchmark=torch.backends.cudnn.benchmark) or 0)
-    assert amp_train.main(["--example", "linear", "--device", "cuda"]) == 0
-    assert seen == {"device": torch.device("cuda", 0), "benchmark": True}, seen
+def test_world_size_without_the_rest_of_torchruns_environment_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert "start with torchrun" in run_bad(LINEAR, capsys)
 
 
-def test_tf32_state_reads_the_new_api_without_raising():
-    # Reading the legacy allow_tf32 flags raises once the fp32_precision API has set them.
-    if not hasattr(torch.backends, "fp32_precision"):
-        pytest.skip("this torch has no fp32_precision API")
-    leaves = (torch.backends.cudnn.conv, torch.backends.cuda.matmul)
-    saved = [torch.backends.fp32_precision] + [leaf.fp32_precision for leaf in leaves]
-    try:
-        torch.backends.fp32_precision = "tf32"
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
-        assert amp_train.tf32_state(torch.device("cuda")) == {"cudnn_conv": True, "matmul": False}
-    finally:
-        torch.backends.fp32_precision = saved[0]
-        for leaf, value in zip(leaves, saved[1:]):
-            leaf.fp32_precision = value
-    assert amp_train.tf32_state(CPU) is None
+# ---------------------------------------------------------------- the run folder: checkpoints, resume, metrics
 
-
-def test_channels_last_resnet_matches_the_contiguous_one():
-    torch.manual_seed(0)
-    channels_last = amp_train.build_resnet18()
-    contiguous = amp_train.build_resnet18().to(memory_format=torch.contiguous_format)
-    contiguous.load_state_dict(channels_last.state_dict())
-    assert channels_last.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    assert contiguous.conv1.weight.is_contiguous()
-    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
-    for model in (channels_last, contiguous):
-        nn.functional.cross_entropy(model(x), y).backward()
-    assert torch.allclose(channels_last(x), contiguous(x), atol=1e-4), "outputs differ"
-    for (name, a), b in zip(channels_last.named_parameters(), contiguous.parameters()):
-        # fp32 sums in another order; measured here: at most 1.8e-4 of the gradient's norm.
-        error = ((a.grad - b.grad).norm() / b.grad.norm()).item()
-        assert error < 1e-3, f"{name}'s gradient differs by {error:.2e} of its norm"
-
-
-def test_missing_cifar10_exits_2_and_says_what_to_do(tmp_path, monkeypatch, capsys):
-    import torchvision.datasets.cifar
-    def offline(*args, **kwargs):
-        raise urllib.error.URLError("no network")
-    monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive", offline)
-    err = run_bad(["--device", "cpu", "--example", "resnet", "--data-root", str(tmp_path / "data")], capsys)
-    assert str(tmp_path / "data") in err and "cifar-10-python.tar.gz" in err and "--data synthetic" in err, err
-
-
-# ---------------------------------------------------------------- gradient accumulation
-
-def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_the_size():
-    x, y = amp_train.linear_batch(32, seed=3)
-    big, big_opt, scaler = linear_setup(CPU, None)
-    amp_train.train_epoch(big, [(x, y)], big_opt, nn.MSELoss(), scaler, CPU, None)
-    small, small_opt, scaler = linear_setup(CPU, None)
-    micro = list(zip(x.split(8), y.split(8)))
-    stats = amp_train.train_epoch(small, micro, small_opt, nn.MSELoss(), scaler, CPU, None, accum_steps=4)
-    assert (stats.steps, stats.samples) == (1, 32), stats
-    assert not torch.equal(small.weight, linear_setup(CPU, None)[0].weight), "no step was taken"
-    # Measured difference: float32 rounding only (~1e-9); the tolerance leaves room for other CPUs.
-    assert torch.allclose(small.weight, big.weight, atol=1e-6, rtol=0), (small.weight - big.weight).abs().max()
-    assert torch.allclose(small.bias, big.bias, atol=1e-6, rtol=0), (small.bias - big.bias).abs().max()
-
-
-def test_accumulation_counts_optimizer_steps_and_steps_on_a_short_last_group():
-    x, y = amp_train.linear_batch(8)
-    bad_x = x.clone()
-    bad_x[0, 0] = float("inf")
-    model, optimizer, scaler = linear_setup(CPU, torch.float16)
-    batches = [(x, y), (bad_x, y), (x, y), (x, y), (x, y)]  # groups of 2: [good, bad] [good, good] [good]
-    stats = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), scaler, CPU, torch.float16,
-                                  accum_steps=2)
-    assert (stats.steps, stats.skipped_steps, stats.samples) == (3, 1, 40), stats
-    limited = amp_train.train_epoch(model, batches, optimizer, nn.MSELoss(), scaler, CPU, torch.float16,
-                                    accum_steps=2, max_steps=1)
-    assert (limited.steps, limited.samples) == (1, 16), limited
-
-
-def test_a_shorter_last_group_steps_with_the_mean_gradient_of_its_micro_batches():
-    x, y = amp_train.linear_batch(12, seed=5)
-    micro = list(zip(x.split(4), y.split(4)))  # 3 micro-batches, K = 2: a group of 2, then one of 1
-    model, optimizer, scaler = linear_setup(CPU, None)
-    amp_train.train_epoch(model, micro, optimizer, nn.MSELoss(), scaler, CPU, None, accum_steps=2)
-    # The reference: the docs' loop over the same samples, batched as the groups are.
-    reference, ref_optimizer, _ = linear_setup(CPU, None)
-    for inputs, targets in [(x[:8], y[:8]), (x[8:], y[8:])]:
-        nn.MSELoss()(reference(inputs), targets).backward()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad(set_to_none=True)
-    assert torch.allclose(model.weight, reference.weight, atol=1e-6, rtol=0), (model.weight, reference.weight)
-    one, _, _ = linear_setup(CPU, None)
-    single_step = amp_train.train_epoch(one, micro[:1], torch.optim.SGD(one.parameters(), lr=0.01), nn.MSELoss(),
-                                        scaler, CPU, None, accum_steps=4)  # the linear example with K = 4
-    assert single_step.steps == 1 and not torch.equal(one.weight, linear_setup(CPU, None)[0].weight)
-
-
-def test_resnet_example_with_accumulation(capsys):
-    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2",
-            "--batch-size", "2", "--accum-steps", "2"]
-    assert amp_train.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "batch 2 x 2 accumulated" in out and "steps/epoch 2" in out, out
-
-
-# ---------------------------------------------------------------- checkpoints and resume
-
-RESNET_TINY = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--max-steps", "2",
-               "--batch-size", "4"]
-LINEAR_FP16 = ["--device", "cpu", "--example", "linear", "--precision", "fp16"]
-
-
-def load(path):
-    return torch.load(path, map_location="cpu", weights_only=True)
+def scaler_that_grows_every_step(device, amp_dtype):
+    # The scale doubles after every good step and halves on overflow: it moves from 2**16 at once.
+    return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16, growth_interval=1)
 
 
 def assert_same_state(a, b, where=""):
@@ -725,85 +812,81 @@ def assert_same_state(a, b, where=""):
         assert a == b, f"{where}: {a} != {b}"
 
 
-def scaler_that_grows_every_step(device, amp_dtype):
-    # The scale doubles after every good step and halves on overflow: it moves from 2**16 at once.
-    return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16, growth_interval=1)
-
-
 @pytest.mark.parametrize("example,epochs,split", [(RESNET_TINY, 3, 2), (LINEAR_FP16, 6, 3)])
 def test_resume_gives_bit_identical_weights(example, epochs, split, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(amp_train, "make_scaler", scaler_that_grows_every_step)
-    straight, resumed = str(tmp_path / "straight.pt"), str(tmp_path / "resumed.pt")
-    assert amp_train.main(example + ["--epochs", str(epochs), "--checkpoint", straight]) == 0
-    assert amp_train.main(example + ["--epochs", str(split), "--checkpoint", resumed]) == 0
-    assert load(resumed)["epoch"] == split
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    assert amp_train.main(example + ["--epochs", str(epochs), "--run-dir", straight]) == 0
+    assert amp_train.main(example + ["--epochs", str(split), "--run-dir", resumed]) == 0
     if example is LINEAR_FP16:
-        scale = load(resumed)["scaler"]["scale"]
-        assert scale != 65536.0, "the scale must have moved, so that resuming without it would differ"
-    assert amp_train.main(example + ["--epochs", str(epochs), "--checkpoint", resumed, "--resume"]) == 0
+        assert load(f"{resumed}/checkpoint.pt")["scaler"]["scale"] != 65536.0, "the scale must have moved"
+    assert amp_train.main(example + ["--epochs", str(epochs), "--run-dir", resumed, "--resume"]) == 0
     assert f"resumed from {resumed} after epoch {split}" in capsys.readouterr().out
-    a, b = load(straight), load(resumed)
-    assert a["epoch"] == b["epoch"] == epochs
-    for key in ("model", "optimizer", "scheduler", "scaler", "rng"):
+    a, b = load(f"{straight}/checkpoint.pt"), load(f"{resumed}/checkpoint.pt")
+    for key in ("epoch", "model", "optimizer", "scheduler", "scaler"):
         assert_same_state(a[key], b[key], key)
+    assert read_metrics(f"{straight}/metrics.jsonl") == [
+        {**r, "seconds": s["seconds"], "samples_per_second": s["samples_per_second"]}
+        for r, s in zip(read_metrics(f"{resumed}/metrics.jsonl"), read_metrics(f"{straight}/metrics.jsonl"))]
 
 
-def test_checkpoint_loads_with_weights_only_and_holds_what_resume_needs(tmp_path):
-    path = tmp_path / "run.pt"
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--checkpoint", str(path)]) == 0
-    state = torch.load(path, weights_only=True)  # raises if anything but tensors and plain types is inside
-    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "rng", "args", "precision"} <= set(state)
-    assert state["scaler"]["scale"] == 65536.0 and state["precision"] == "fp16", state["scaler"]
-    assert isinstance(state["rng"]["cpu"], torch.Tensor)
-    assert not (tmp_path / "run.pt.tmp").exists(), "the temporary file must be renamed into place"
+def test_the_checkpoint_loads_with_weights_only_and_is_written_through_a_synced_tmp(tmp_path, monkeypatch):
+    calls, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: calls.append(f"replace {pathlib.Path(b).name}") or replace(a, b))
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)]) == 0
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)  # raises on anything but tensors and plain types
+    assert state["epoch"] == 2 and state["scaler"]["scale"] == 65536.0 and state["args"]["precision"] == "fp16"
+    assert calls == ["fsync", "replace metrics.jsonl"] + ["fsync", "replace checkpoint.pt"] * 2, calls
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "lock", "metrics.jsonl"]
 
 
-@pytest.mark.parametrize("error", [
-    OSError(28, "No space left on device"),
-    RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
-                 "data/0: file write failed"),  # what torch.save raised on a full tmpfs
-])
-def test_a_failed_save_leaves_the_last_checkpoint_intact(error, tmp_path, monkeypatch, capsys):
-    path = tmp_path / "run.pt"
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
-    before = path.read_bytes()
+@pytest.mark.parametrize("error,says", [(OSError(errno.ENOSPC, "No space left on device"), "; free some space"),
+                                        (OSError(errno.EPERM, "Operation not permitted"), "not permitted);")])
+def test_a_failed_save_leaves_the_last_checkpoint_intact_and_names_the_cause(error, says, tmp_path, monkeypatch,
+                                                                              capsys):
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(tmp_path)]) == 0
+    before = (tmp_path / "checkpoint.pt").read_bytes()
     def disk_full(obj, f):
-        with open(f, "wb") as out:
-            out.write(b"half a checkpoint")
+        f.write(b"half a checkpoint")
         raise error
     monkeypatch.setattr(amp_train.torch, "save", disk_full)
-    err = run_bad(LINEAR_FP16 + ["--epochs", "3", "--checkpoint", str(path), "--resume"], capsys)
-    assert "the last one is intact" in err, err
-    assert path.read_bytes() == before, "the last good checkpoint was changed"
-    assert not (tmp_path / "run.pt.tmp").exists(), "the half-written temporary file was left behind"
+    err = run_bad(LINEAR_FP16 + ["--epochs", "3", "--run-dir", str(tmp_path), "--resume"], capsys)
+    assert says in err and f"{tmp_path} holds epoch 1" in err, err
+    assert ("free some space" in err) == (error.errno == errno.ENOSPC), err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before, "the last good checkpoint was changed"
+    assert not list(tmp_path.glob("*.tmp")), "the half-written temporary file was left behind"
 
 
-def write_foreign(path):
-    torch.save({"weights": torch.zeros(3)}, path)
+def test_an_interrupted_write_leaves_the_old_file_and_no_tmp(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("old\n")
+    def interrupted(f):
+        f.write(b"new, half")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        amp_train.replace_file(str(path), interrupted)
+    assert path.read_text() == "old\n" and not list(tmp_path.glob("*.tmp"))
 
 
 def truncate(path):
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(path.parent)]) == 0
     path.write_bytes(path.read_bytes()[:200])
 
 
-def other_example(path):
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(path)]) == 0
+def a_linear_run(path):
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(path.parent)]) == 0
 
 
 def edited(**fields):
     """Makes a real checkpoint, then sets (or, with None, removes) some of its fields."""
     def make(path):
-        other_example(path)
+        a_linear_run(path)
         state = load(path)
         for key, value in fields.items():
             state.pop(key) if value is None else state.__setitem__(key, value)
         torch.save(state, path)
     return make
-
-
-def only_the_format_key(path):
-    torch.save({"format": amp_train.CHECKPOINT_FORMAT}, path)
 
 
 class CreatesAFile:
@@ -815,179 +898,216 @@ class CreatesAFile:
         return pathlib.Path.touch, (pathlib.Path(self.path),)
 
 
-def pickled_code(path):
-    torch.save({"format": amp_train.CHECKPOINT_FORMAT, "payload": CreatesAFile(f"{path}.pwned")}, path)
-
-
 @pytest.mark.parametrize("make,argv,says", [
-    (None, RESNET_TINY + ["--epochs", "2", "--resume"], "no checkpoint at"),
-    (only_the_format_key, LINEAR_FP16 + ["--epochs", "2", "--resume"], "is damaged: its 'example' is missing"),
-    (edited(epoch=float("inf")), LINEAR_FP16 + ["--epochs", "2", "--resume"], "its 'epoch' is missing or not a"),
-    (edited(epoch=-5), LINEAR_FP16 + ["--epochs", "2", "--resume"], "is damaged: epoch -5"),
-    (edited(epoch=True), LINEAR_FP16 + ["--epochs", "2", "--resume"], "its 'epoch' is missing or not a"),
-    (edited(model=None), LINEAR_FP16 + ["--epochs", "2", "--resume"], "its 'model' is missing"),
-    (edited(args={"lr": -1.0}), LINEAR_FP16 + ["--epochs", "2", "--resume"], "holds flags this program refuses"),
-    (pickled_code, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not a readable checkpoint"),
-    (truncate, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not a readable checkpoint"),
-    (write_foreign, LINEAR_FP16 + ["--epochs", "2", "--resume"], "not written by amp_train.py"),
-    (other_example, RESNET_TINY + ["--epochs", "2", "--resume"], "checkpoint of the linear example"),
-    (other_example, LINEAR_FP16 + ["--epochs", "2"], "already exists: add --resume"),
+    (lambda path: torch.save({"format": amp_train.CHECKPOINT_FORMAT}, path), LINEAR_FP16, "not a readable checkpoint"),
+    (edited(epoch=float("inf")), LINEAR_FP16, "is damaged"),
+    (edited(epoch=-5), LINEAR_FP16, "is damaged"),
+    (edited(epoch=True), LINEAR_FP16, "is damaged"),
+    (edited(model=None), LINEAR_FP16, "not a readable checkpoint"),
+    (edited(args={"lr": -1.0}), LINEAR_FP16, "holds flags this program refuses"),
+    (edited(model={"weight": torch.zeros(3)}), LINEAR_FP16, "does not fit this run"),
+    (lambda path: torch.save({"format": amp_train.CHECKPOINT_FORMAT, "x": CreatesAFile(f"{path}.pwned")}, path),
+     LINEAR_FP16, "not a readable checkpoint"),
+    (truncate, LINEAR_FP16, "not a readable checkpoint"),
+    (lambda path: torch.save({"weights": torch.zeros(3)}, path), LINEAR_FP16, "not a readable checkpoint"),
+    (a_linear_run, RESNET_TINY, "checkpoint of the linear example"),
 ])
-def test_bad_checkpoints_exit_2_and_are_not_touched(make, argv, says, tmp_path, capsys):
-    path = tmp_path / "run.pt"
-    if make:
-        make(path)
-        capsys.readouterr()
-    before = path.read_bytes() if path.exists() else None
-    err = run_bad(argv + ["--checkpoint", str(path)], capsys)
+def test_bad_checkpoints_exit_2_and_nothing_is_touched(make, argv, says, tmp_path, capsys):
+    path = tmp_path / "checkpoint.pt"
+    make(path)
+    capsys.readouterr()
+    files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name != "lock"}  # noqa: E731
+    before = files()
+    err = run_bad(argv + ["--epochs", "2", "--run-dir", str(tmp_path), "--resume"], capsys)
     assert says in err, err
-    assert (path.read_bytes() if path.exists() else None) == before, "the checkpoint file was changed"
+    assert files() == before, "a file of the run folder was changed"
     assert not os.path.exists(f"{path}.pwned"), "loading the checkpoint ran pickled code"
 
 
-@pytest.mark.parametrize("where,says", [("no/such/dir/x.pt", "does not exist or is not writable"),
-                                         (".", "is a folder")])
-def test_an_unwritable_checkpoint_path_is_refused_before_training(where, says, tmp_path, capsys):
-    err = run_bad(LINEAR_FP16 + ["--epochs", "1", "--checkpoint", str(tmp_path / where)], capsys)
-    assert says in err, err
-    assert "epoch 1/1" not in capsys.readouterr().out, "it trained before refusing"
+def fifo(folder):
+    os.mkfifo(folder / "metrics.jsonl")
 
 
-def test_resume_needs_a_checkpoint_path(capsys):
-    assert "--resume needs --checkpoint" in run_bad(["--device", "cpu", "--example", "linear", "--resume"], capsys)
+def symlinked_checkpoint(folder):
+    (folder / "elsewhere.pt").write_bytes(b"")
+    (folder / "checkpoint.pt").symlink_to(folder / "elsewhere.pt")
 
 
-@pytest.mark.parametrize("first,then,note", [
-    ("fp16", "bf16", "GradScaler state is not used: bf16 runs without a scaler"),
-    ("fp16", "fp32", "GradScaler state is not used: fp32 runs without a scaler"),
-    ("bf16", "fp16", "saved in bf16 without a GradScaler; fp16 starts from a fresh loss scale"),
+@pytest.mark.parametrize("where,make,says", [
+    ("file", lambda folder: folder.write_text(""), "File exists"),
+    ("x" * 300, None, "File name too long"),
+    ("run", fifo, "is not a regular file"),
+    ("run", symlinked_checkpoint, "is not a regular file"),
 ])
-def test_resume_in_another_precision(first, then, note, tmp_path, capsys):
-    path = str(tmp_path / "run.pt")
-    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", path]
-    assert amp_train.main(linear + ["--precision", first, "--epochs", "2"]) == 0
-    assert amp_train.main(linear + ["--precision", then, "--epochs", "4", "--resume"]) == 0
-    out = capsys.readouterr().out
-    assert note in out and "epoch 4/4" in out, out
-    assert load(path)["precision"] == then
+def test_a_run_folder_that_cannot_be_written_is_refused_before_training(where, make, says, tmp_path, capsys):
+    folder = tmp_path / where
+    if make:
+        if where == "run":
+            folder.mkdir()
+        make(folder)
+    err = run_bad(LINEAR + ["--epochs", "1", "--resume" if make is symlinked_checkpoint else "--seed=0",
+                            "--run-dir", str(folder)], capsys)
+    assert says in err and "epoch 1/1" not in capsys.readouterr().out, err
 
 
-def epoch_lrs(out):
-    return {int(e): float(lr) for e, lr in re.findall(r"^epoch +(\d+)/\d+ .*\| lr ([\d.e+-]+) \|", out, re.M)}
+def test_an_immutable_checkpoint_is_refused_before_training(tmp_path, capsys):
+    assert amp_train.main(LINEAR + ["--epochs", "1", "--run-dir", str(tmp_path)]) == 0
+    if subprocess.run(["chattr", "+i", str(tmp_path / "checkpoint.pt")], capture_output=True).returncode:
+        pytest.skip("this file system takes no immutable flag (chattr)")
+    try:
+        err = run_bad(LINEAR + ["--epochs", "2", "--run-dir", str(tmp_path), "--resume"], capsys)
+        assert "Operation not permitted" in err and "epoch 2/2" not in capsys.readouterr().out, err
+    finally:
+        subprocess.run(["chattr", "-i", str(tmp_path / "checkpoint.pt")])
 
 
-def test_a_new_lr_on_resume_is_applied_and_the_schedule_goes_on(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 1)  # StepLR(1, 0.1): the lr falls tenfold every epoch
-    path = str(tmp_path / "run.pt")
-    argv = RESNET_TINY + ["--max-steps", "1", "--checkpoint", path]
-    assert amp_train.main(argv + ["--epochs", "2"]) == 0
-    assert amp_train.main(argv + ["--epochs", "3", "--resume", "--lr", "0.5"]) == 0
-    out = capsys.readouterr().out
-    assert "note: --lr 0.5 replaces the checkpoint's 0.01" in out, out
-    lrs = epoch_lrs(out)
-    assert lrs[1] == pytest.approx(0.01) and lrs[2] == pytest.approx(0.001), lrs
-    assert lrs[3] == pytest.approx(0.5 * 0.1 ** 2), f"StepLR from 0.5 gives 0.005 at epoch 3, not {lrs[3]}"
-    assert load(path)["args"]["lr"] == 0.5, "the checkpoint must record the lr now in use"
+def test_a_second_run_on_a_live_runs_folder_refuses_and_touches_nothing(tmp_path, capsys):
+    first = subprocess.Popen([sys.executable, SCRIPT, *LINEAR, "--epochs", "100000", "--run-dir", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "checkpoint.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for argv in ([], ["--resume"]):
+            assert "another run is using" in run_bad(RESNET_TINY + ["--run-dir", str(tmp_path), *argv], capsys)
+        assert first.poll() is None, "the first run was disturbed"
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=60)
+    saved, epochs = load(tmp_path / "checkpoint.pt")["epoch"], [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert epochs == list(range(1, len(epochs) + 1)) and epochs[-1] in (saved, saved + 1), (saved, epochs)
+    assert amp_train.main(LINEAR + ["--epochs", str(saved + 1), "--run-dir", str(tmp_path), "--resume"]) == 0
+    assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, saved + 2))
 
 
-def test_flags_not_given_on_resume_keep_the_checkpoints_values(tmp_path, capsys):
-    path = str(tmp_path / "run.pt")
-    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", path]
-    assert amp_train.main(linear + ["--epochs", "3", "--lr", "0.05", "--batch-size", "16", "--precision", "fp32",
-                                    "--clip-grad-norm", "1"]) == 0
-    assert amp_train.main(linear + ["--epochs", "4", "--resume"]) == 0
-    out = capsys.readouterr().out
-    assert "note:" not in out, out
-    resumed = out[out.index("resumed from"):]
-    starts = [line for line in out.splitlines() if line.startswith("amp_train |")]
-    assert "precision fp32" in starts[1], starts
-    assert epoch_lrs(resumed) == {4: 0.05}, resumed
-    saved = load(path)["args"]
-    assert (saved["batch_size"], saved["clip_grad_norm"], saved["epochs"]) == (16, 1.0, 4), saved
-    assert amp_train.main(linear + ["--resume"]) == 0, "no --epochs: the checkpoint's 4, already done"
-    assert "nothing to do" in capsys.readouterr().out
+@pytest.mark.parametrize("signum,status,word", [(signal.SIGINT, 130, "interrupted"),
+                                                (signal.SIGTERM, 143, "terminated")])
+def test_ctrl_c_and_sigterm_end_with_one_line_naming_the_saved_epoch(signum, status, word, tmp_path):
+    run = subprocess.Popen([sys.executable, SCRIPT, *LINEAR, "--epochs", "100000", "--run-dir", str(tmp_path)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "checkpoint.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signum)
+    err = run.communicate(timeout=60)[1]
+    saved = load(tmp_path / "checkpoint.pt")["epoch"]
+    assert run.returncode == status and err == f"error: {word}; {tmp_path} holds epoch {saved}\n", (run.returncode, err)
+    assert not list(tmp_path.glob("*.tmp")), "a temporary file was left behind"
 
 
-def test_changed_flags_on_resume_are_noted_or_refused(tmp_path, capsys):
-    path = str(tmp_path / "run.pt")
-    assert amp_train.main(RESNET_TINY + ["--max-steps", "1", "--epochs", "1", "--checkpoint", path]) == 0
-    argv = RESNET_TINY + ["--max-steps", "1", "--epochs", "2", "--checkpoint", path, "--resume"]
-    assert amp_train.main(argv + ["--clip-grad-norm", "1", "--batch-size", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "note: --clip-grad-norm 1.0 replaces the checkpoint's None" in out, out
-    assert "note: --batch-size 2 replaces the checkpoint's 4" in out, out
-    before = pathlib.Path(path).read_bytes()
-    err = run_bad(argv + ["--epochs", "3", "--data", "cifar10"], capsys)
-    assert "trained on --data synthetic" in err, err
-    assert pathlib.Path(path).read_bytes() == before
+def test_a_file_name_that_is_not_utf8_prints(tmp_path):
+    folder = os.path.join(os.fsencode(tmp_path), b"run\xff")
+    assert amp_train.main(LINEAR + ["--epochs", "1", "--run-dir", os.fsdecode(folder)]) == 0
+    done = subprocess.run([sys.executable, SCRIPT, *LINEAR, "--epochs", "2", "--resume", "--run-dir", folder],
+                          capture_output=True, env={**os.environ, "LC_ALL": "C.UTF-8"})
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    assert b"resumed from " in done.stdout and b"run\\udcff after epoch 1" in done.stdout, done.stdout
 
 
-def test_resume_when_already_done_does_nothing(tmp_path, capsys):
-    path = str(tmp_path / "run.pt")
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--checkpoint", path]) == 0
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--checkpoint", path, "--resume"]) == 0
-    assert "nothing to do" in capsys.readouterr().out
+def test_after_a_crash_before_the_first_checkpoint_nothing_sends_the_user_to_resume(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "train_loss": 1.0}\n')  # the line, then the crash
+    for argv in ([], ["--resume"]):
+        err = run_bad(LINEAR + ["--epochs", "2", "--run-dir", str(tmp_path), *argv], capsys)
+        assert f"delete {tmp_path / 'metrics.jsonl'} to start again" in err and "add --resume" not in err, err
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1, "train_loss": 1.0}\n'
+    (tmp_path / "metrics.jsonl").unlink()
+    assert amp_train.main(LINEAR + ["--epochs", "2", "--run-dir", str(tmp_path)]) == 0, "the command it names works"
 
 
-# ---------------------------------------------------------------- the metrics file
-
-METRIC_FIELDS = {"example", "precision", "epoch", "train_loss", "lr", "loss_scale", "skipped_steps",
-                 "samples_per_second", "seconds", "processes"}
-
-
-def read_metrics(path):
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+def test_resume_without_a_checkpoint_is_an_error_and_creates_nothing(tmp_path, capsys):
+    assert "run without --resume" in run_bad(LINEAR + ["--run-dir", str(tmp_path / "typo"), "--resume"], capsys)
+    assert not (tmp_path / "typo").exists(), "a mistyped path must not become a run folder"
+    assert "run without --resume" in run_bad(LINEAR + ["--run-dir", str(tmp_path), "--resume"], capsys)
 
 
-@pytest.mark.parametrize("example,fields", [(RESNET_TINY, METRIC_FIELDS | {"test_loss", "test_accuracy"}),
-                                            (LINEAR_FP16, METRIC_FIELDS)])
-def test_the_metrics_file_has_a_line_per_epoch(example, fields, tmp_path, capsys):
-    path = tmp_path / "m.jsonl"
-    assert amp_train.main(example + ["--epochs", "2", "--metrics", str(path)]) == 0
-    out = capsys.readouterr().out
-    records = read_metrics(path)
-    assert [r["epoch"] for r in records] == [1, 2], records
-    for record in records:
-        assert set(record) == fields, set(record) ^ fields
-        assert record["processes"] == 1 and record["example"] in ("resnet", "linear"), record
-        assert f"train loss {record['train_loss']:.4f}" in out, (record, out)
+def test_an_existing_checkpoint_is_not_overwritten_without_resume(tmp_path, capsys):
+    assert amp_train.main(LINEAR + ["--epochs", "1", "--run-dir", str(tmp_path)]) == 0
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    assert "add --resume" in run_bad(LINEAR + ["--epochs", "2", "--run-dir", str(tmp_path)], capsys)
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
 
 
-def test_a_resumed_run_appends_to_the_metrics_file_as_far_as_its_checkpoint(tmp_path, capsys):
-    straight = tmp_path / "straight.jsonl"
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "4", "--metrics", str(straight)]) == 0
-    checkpoint, metrics = tmp_path / "run.pt", tmp_path / "m.jsonl"
-    run = LINEAR_FP16 + ["--checkpoint", str(checkpoint), "--metrics", str(metrics)]
+def test_resume_cuts_the_metrics_back_to_the_checkpoint_and_drops_torn_lines(tmp_path, capsys):
+    straight = tmp_path / "straight"
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "4", "--run-dir", str(straight)]) == 0
+    run = LINEAR_FP16 + ["--run-dir", str(tmp_path / "run")]
     assert amp_train.main(run + ["--epochs", "2"]) == 0
-    epoch_2 = checkpoint.read_bytes()
-    assert amp_train.main(run + ["--epochs", "3", "--resume"]) == 0
-    checkpoint.write_bytes(epoch_2)  # as if the run died after writing epoch 3's line, before its checkpoint
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # epoch 3's line, then a line torn by a full disk
+        f.write('{"example": "linear", "epoch": 3, "train_loss": 9.0}\n{"example": "lin')
     assert amp_train.main(run + ["--epochs", "4", "--resume"]) == 0
-    resumed = read_metrics(metrics)
+    assert "note: dropped 1 unreadable lines" in capsys.readouterr().out
+    resumed = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["epoch"] for r in resumed] == [1, 2, 3, 4], "an epoch past the checkpoint must not stay twice"
-    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in read_metrics(straight)]
-    err = run_bad(LINEAR_FP16 + ["--epochs", "5", "--metrics", str(metrics)], capsys)
-    assert "already exists: add --resume" in err, err
+    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in read_metrics(straight / "metrics.jsonl")]
 
 
-def test_a_diverged_epoch_is_recorded_with_null_for_inf(tmp_path, capsys):
-    path = tmp_path / "m.jsonl"
-    argv = ["--device", "cpu", "--example", "linear", "--precision", "fp32", "--lr", "1e20", "--epochs", "5",
-            "--metrics", str(path)]
+def test_a_diverged_epoch_is_recorded_with_null_for_inf_and_the_run_stops(tmp_path, capsys):
+    argv = LINEAR + ["--precision", "fp32", "--lr", "1e20", "--epochs", "5", "--run-dir", str(tmp_path)]
     assert amp_train.main(argv) == 1
-    lines = path.read_text().splitlines()
-    assert "Infinity" not in path.read_text() and "NaN" not in path.read_text(), "the file must be standard JSON"
-    assert [json.loads(line)["train_loss"] is None for line in lines] == [False, True], lines
+    err = capsys.readouterr().err
+    assert f"error: epoch 2: the mean training loss is inf under fp32; {tmp_path} holds epoch 1; try a lower" in err
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "Infinity" not in text and "NaN" not in text, "the file must be standard JSON"
+    assert [r["train_loss"] is None for r in read_metrics(tmp_path / "metrics.jsonl")] == [False, True]
+    assert load(tmp_path / "checkpoint.pt")["epoch"] == 1
 
 
 def test_a_failed_metrics_write_exits_2(tmp_path, monkeypatch, capsys):
     def full_disk(path, mode="r", *args, **kwargs):
-        if str(path).endswith(".jsonl") and "a" in mode:
-            raise OSError(28, "No space left on device")
+        if str(path).endswith(".jsonl") and mode == "a":
+            raise OSError(errno.ENOSPC, "No space left on device")
         return open(path, mode, *args, **kwargs)
     monkeypatch.setattr(amp_train, "open", full_disk, raising=False)
-    err = run_bad(LINEAR_FP16 + ["--epochs", "2", "--metrics", str(tmp_path / "m.jsonl")], capsys)
-    assert "could not write the metrics file" in err and "No space left" in err, err
+    err = run_bad(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)], capsys)
+    assert "could not write in" in err and "No space left" in err and "free some space" in err, err
+
+
+def test_flags_not_given_on_resume_keep_the_checkpoints_values(tmp_path, capsys):
+    run = LINEAR + ["--run-dir", str(tmp_path)]
+    assert amp_train.main(run + ["--epochs", "3", "--lr", "0.05", "--batch-size", "16", "--precision", "fp32",
+                                 "--clip-grad-norm", "1"]) == 0
+    assert amp_train.main(run + ["--epochs", "4", "--resume", "--data", "synthetic"]) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out and "precision fp32" in out.split("resumed from")[0].splitlines()[-1], out
+    assert re.search(r"^epoch 4/4 .*\| lr 0\.05 \|", out, re.M), out
+    saved = load(tmp_path / "checkpoint.pt")["args"]
+    assert (saved["batch_size"], saved["clip_grad_norm"], saved["epochs"]) == (16, 1.0, 4), saved
+    assert amp_train.main(run + ["--resume"]) == 0 and "nothing to do" in capsys.readouterr().out
+
+
+def test_changed_flags_on_resume_are_noted_or_refused(tmp_path, capsys):
+    run = RESNET_TINY + ["--max-steps", "1", "--run-dir", str(tmp_path)]
+    assert amp_train.main(run + ["--epochs", "1"]) == 0
+    assert amp_train.main(run + ["--epochs", "2", "--resume", "--clip-grad-norm", "1", "--batch-size", "2",
+                                 "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --clip-grad-norm 1.0 replaces the checkpoint's None" in out, out
+    assert "note: --batch-size 2 replaces the checkpoint's 4" in out and "--precision" not in out, out
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    assert "trained on --data synthetic" in run_bad(run + ["--epochs", "3", "--resume", "--data", "cifar10"], capsys)
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("first,then", [("fp16", "bf16"), ("bf16", "fp16"), ("fp16", "fp32")])
+def test_resume_in_another_precision(first, then, tmp_path, capsys):
+    run = LINEAR + ["--run-dir", str(tmp_path)]
+    assert amp_train.main(run + ["--precision", first, "--epochs", "2"]) == 0
+    assert amp_train.main(run + ["--precision", then, "--epochs", "4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: --precision {then} replaces the checkpoint's {first}" in out and "epoch 4/4" in out, out
+    assert load(tmp_path / "checkpoint.pt")["args"]["precision"] == then
+
+
+def test_a_new_lr_on_resume_is_applied_and_the_schedule_goes_on(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 1)  # StepLR(1, 0.1): the lr falls tenfold every epoch
+    run = RESNET_TINY + ["--max-steps", "1", "--run-dir", str(tmp_path)]
+    assert amp_train.main(run + ["--epochs", "2"]) == 0
+    assert amp_train.main(run + ["--epochs", "3", "--resume", "--lr", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --lr 0.5 replaces the checkpoint's 0.01" in out, out
+    lrs = [float(x) for x in re.findall(r"\| lr ([\d.e-]+) \|", out)]
+    assert lrs == pytest.approx([0.01, 0.001, 0.5 * 0.1 ** 2]), f"StepLR from 0.5 gives 0.005 at epoch 3: {lrs}"
+    assert load(tmp_path / "checkpoint.pt")["args"]["lr"] == 0.5, "the checkpoint must record the lr now in use"
 
 
 # ---------------------------------------------------------------- inf and NaN in the examples
@@ -997,42 +1117,19 @@ def scaler_that_always_overflows(device, amp_dtype):
     return torch.amp.GradScaler(device.type, init_scale=float("inf"))
 
 
-def assert_finite_checkpoint(path, epoch):
-    state = load(path)
-    assert state["epoch"] == epoch, f"the checkpoint holds epoch {state['epoch']}, not {epoch}"
-    for name, tensor in state["model"].items():
-        assert not tensor.is_floating_point() or torch.isfinite(tensor).all(), f"{name} holds inf/NaN"
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_diverged_run_stops_and_keeps_the_last_finite_epoch(precision, tmp_path, capsys):
-    path = tmp_path / "run.pt"
-    argv = ["--device", "cpu", "--example", "linear", "--precision", precision, "--lr", "1e20", "--epochs", "5",
-            "--checkpoint", str(path)]
-    assert amp_train.main(argv) == 1, "a diverged run must exit non-zero"
-    err = capsys.readouterr().err
-    assert f"error: epoch 2: the mean training loss is inf under {precision}; {path} holds epoch 1" in err, err
-    assert "--lr" in err, err
-    assert_finite_checkpoint(path, 1)
-
-
 def test_epochs_with_a_nan_test_loss_are_not_saved(tmp_path, capsys):
-    # The issue's case: the test loss is NaN from epoch 1 on, while the training loss is still finite.
-    path = tmp_path / "d.pt"
     argv = RESNET_TINY + ["--max-steps", "1", "--batch-size", "8", "--epochs", "5", "--lr", "1e6",
-                          "--precision", "fp32", "--checkpoint", str(path)]
+                          "--precision", "fp32", "--run-dir", str(tmp_path)]
     assert amp_train.main(argv) == 1
     captured = capsys.readouterr()
-    assert f"note: epoch 1 is not saved, its mean test loss is nan; nothing was saved to {path}" in captured.out
-    assert f"; nothing was saved to {path}; try a lower --lr" in captured.err, captured.err
-    assert not path.exists(), "an epoch with a NaN test loss was saved"
+    assert f"note: epoch 1 is not saved, its mean test loss is nan; nothing was saved in {tmp_path}" in captured.out
+    assert not (tmp_path / "checkpoint.pt").exists(), "an epoch with a NaN test loss was saved"
 
 
 def test_fp16_stops_when_an_inf_batch_leaves_nan_in_batchnorm(monkeypatch, tmp_path, capsys):
     # The scaler skips the inf batch's step, but its forward pass already put inf/NaN into
     # BatchNorm's running statistics: that epoch must not be saved, and the run cannot go on.
-    calls = []
-    train_epoch = amp_train.train_epoch
+    calls, train_epoch = [], amp_train.train_epoch
     def second_epoch_has_an_inf_batch(model, loader, *args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
@@ -1040,42 +1137,30 @@ def test_fp16_stops_when_an_inf_batch_leaves_nan_in_batchnorm(monkeypatch, tmp_p
             loader = [(torch.full_like(images, float("inf")), labels)]
         return train_epoch(model, loader, *args, **kwargs)
     monkeypatch.setattr(amp_train, "train_epoch", second_epoch_has_an_inf_batch)
-    path = tmp_path / "run.pt"
     argv = RESNET_TINY + ["--max-steps", "1", "--batch-size", "2", "--epochs", "3", "--precision", "fp16",
-                          "--checkpoint", str(path)]
+                          "--run-dir", str(tmp_path)]
     assert amp_train.main(argv) == 1
     err = capsys.readouterr().err
-    assert re.search(rf"error: epoch 2: the model's \S+ holds inf/NaN; {re.escape(str(path))} holds epoch 1", err), err
-    assert_finite_checkpoint(path, 1)
+    assert re.search(rf"error: epoch 2: the model's \S+ holds inf/NaN; {re.escape(str(tmp_path))} holds epoch 1", err)
+    assert load(tmp_path / "checkpoint.pt")["epoch"] == 1
 
 
 def test_a_run_whose_scaler_skips_everything_stops(monkeypatch, capsys):
     monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
-    assert amp_train.main(["--device", "cpu", "--example", "linear", "--epochs", "100"]) == 1
+    assert amp_train.main(LINEAR + ["--epochs", "100"]) == 1
     captured = capsys.readouterr()
     assert "error: epoch 32: the GradScaler skipped all of the last 32 steps" in captured.err, captured.err
-    assert re.search(r"^epoch +32/100", captured.out, re.M) and "33/100" not in captured.out, captured.out
-
-
-def test_an_epoch_whose_steps_were_all_skipped_stops_resnet(monkeypatch, capsys):
-    monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
-    argv = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "3", "--max-steps", "33",
-            "--batch-size", "2"]
-    assert amp_train.main(argv) == 1
-    assert "error: epoch 1: the GradScaler skipped all of the last 33 steps" in capsys.readouterr().err
+    assert re.search(r"^epoch +32/100", captured.out, re.M) and "33/100" not in captured.out
 
 
 def test_skipped_steps_do_not_step_the_lr_scheduler_early(monkeypatch, capsys):
-    # Every step of these short epochs is skipped: stepping StepLR anyway would warn
-    # "Detected call of lr_scheduler.step() before optimizer.step()".
+    # Stepping StepLR with no optimizer step warns "Detected call of lr_scheduler.step() before optimizer.step()".
     monkeypatch.setattr(amp_train, "make_scaler", scaler_that_always_overflows)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert amp_train.main(RESNET_TINY + ["--epochs", "2"]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"^epoch 2/2 .*\| skipped 2 \|", out, re.M), out
-    messages = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
-    assert not messages, messages
+    assert re.search(r"^epoch 2/2 .*\| skipped 2 \|", capsys.readouterr().out, re.M)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
 
 
 # ---------------------------------------------------------------- several processes (DDP, gloo on the CPU)
@@ -1083,9 +1168,9 @@ def test_skipped_steps_do_not_step_the_lr_scheduler_early(monkeypatch, capsys):
 def ddp_worker(rank, argv, out_dir, port, setup):
     """One process of a 2-process run, set up as torchrun would; saves its log, exit code, weights
     and the buffers it evaluated with. `setup(out_dir)`, if given, runs first (to mock)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: 2 processes on 2 cores, same sums
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1: 2 processes on 2 cores
     if setup:
         setup(out_dir)
     built, evaluated = {}, []
@@ -1113,15 +1198,14 @@ def free_port():
 
 def run_two_processes(argv, out_dir, setup=None):
     torch.multiprocessing.spawn(ddp_worker, args=(argv, out_dir, free_port(), setup), nprocs=2)
-    return [dict(torch.load(out_dir / f"rank{r}.pt", weights_only=True),
-                 out=(out_dir / f"rank{r}.out").read_text(), err=(out_dir / f"rank{r}.err").read_text())
-            for r in range(2)]
+    return [dict(torch.load(out_dir / f"rank{r}.pt", weights_only=True), out=(out_dir / f"rank{r}.out").read_text(),
+                 err=(out_dir / f"rank{r}.err").read_text()) for r in range(2)]
 
 
 def group_worker(rank, function, out_dir, port):
     """Runs function(rank) in a 2-process gloo group; saves what it returns."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo")
     try:
         torch.save(function(rank), out_dir / f"result{rank}.pt")
@@ -1129,108 +1213,83 @@ def group_worker(rank, function, out_dir, port):
         torch.distributed.destroy_process_group()
 
 
-def in_two_processes(function, out_dir):
-    torch.multiprocessing.spawn(group_worker, args=(function, out_dir, free_port()), nprocs=2)
-    return [torch.load(out_dir / f"result{r}.pt", weights_only=True) for r in range(2)]
-
-
 def micro_batches(rank):
-    x, y = amp_train.linear_batch(24, seed=rank)
+    x, y = linear_batch(24, seed=rank)
     return list(zip(x.split(4), y.split(4)))  # 6 micro-batches: with K = 4, a group of 4 and a short one of 2
 
 
 def accumulate_under_ddp(rank):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    torch.manual_seed(0)
-    model = nn.Linear(10, 1)
+    model, optimizer, _ = linear_setup(lr=0.1)
     ddp = nn.parallel.DistributedDataParallel(model)
     all_reduces = [0]
     def counting(state, bucket):
         all_reduces[0] += 1
         return allreduce_hook(None, bucket)
     ddp.register_comm_hook(None, counting)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        stats = amp_train.train_epoch(ddp, micro_batches(rank), optimizer, nn.MSELoss(),
-                                      amp_train.make_scaler(CPU, None), CPU, None, accum_steps=4, log_every=1)
-    return {"all_reduces": all_reduces[0], "steps": stats.steps, "log": out.getvalue(),
+        stats = amp_train.train_epoch(ddp, generator_of(micro_batches(rank)), optimizer, nn.MSELoss(), None, CPU,
+                                      None, accum_steps=4, log_every=1)
+    return {"all_reduces": all_reduces[0], "steps": stats["steps"], "log": out.getvalue(),
             "weight": model.weight.detach(), "bias": model.bias.detach()}
 
 
 def test_accumulation_under_ddp_all_reduces_once_per_step(tmp_path):
-    ranks = in_two_processes(accumulate_under_ddp, tmp_path)
-    # The reference: one process, each step's micro-batches of both ranks accumulated (K = 8).
+    torch.multiprocessing.spawn(group_worker, args=(accumulate_under_ddp, tmp_path, free_port()), nprocs=2)
+    ranks = [torch.load(tmp_path / f"result{r}.pt", weights_only=True) for r in range(2)]
+    # The reference: one process, each step's micro-batches of both ranks accumulated.
     r0, r1 = micro_batches(0), micro_batches(1)
-    torch.manual_seed(0)
-    model = nn.Linear(10, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_train.train_epoch(model, r0[:4] + r1[:4] + r0[4:] + r1[4:], optimizer, nn.MSELoss(),
-                          amp_train.make_scaler(CPU, None), CPU, None, accum_steps=8)
+    model, optimizer, _ = linear_setup(lr=0.1)
+    amp_train.train_epoch(model, r0[:4] + r1[:4], optimizer, nn.MSELoss(), None, CPU, None, accum_steps=8)
+    amp_train.train_epoch(model, r0[4:] + r1[4:], optimizer, nn.MSELoss(), None, CPU, None, accum_steps=4)
     for rank, result in enumerate(ranks):
-        assert result["steps"] == 2, result
-        assert result["all_reduces"] == 2, f"rank {rank}: {result['all_reduces']} all-reduces for 2 steps"
+        assert (result["steps"], result["all_reduces"]) == (2, 2), f"rank {rank}: {result}"
         for key in ("weight", "bias"):
-            assert torch.allclose(result[key], getattr(model, key), atol=1e-6, rtol=0), \
-                (rank, key, result[key], getattr(model, key))
-        assert re.search(rf"^  step 1 \| loss [\d.]+ \| \d+ samples/s \| rank {rank} alone$", result["log"], re.M), \
-            result["log"]
+            assert torch.allclose(result[key], getattr(model, key), atol=1e-6, rtol=0), (rank, key, result[key])
+        assert re.search(rf"^  step 1 \| loss [\d.]+ \| \d+ samples/s \| rank {rank} alone$", result["log"], re.M)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--device", "cpu", "--example", "linear", "--epochs", "3", "--precision", "fp16"],
-    ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "2",
-     "--batch-size", "4"],
-])
-def test_two_processes_train_in_step_and_only_rank_0_logs(argv, tmp_path):
-    rank0, rank1 = run_two_processes(argv, tmp_path)
+def assert_in_step(rank0, rank1):
     assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
     assert rank0["group_left"] and rank1["group_left"], "the process group must be destroyed at the end"
-    assert "processes 2 | global batch" in rank0["out"] and re.search(r"^epoch +1/", rank0["out"], re.M)
-    assert rank1["out"] == "" and rank1["err"] == "", f"rank 1 must not log: {rank1['out']!r} {rank1['err']!r}"
-    assert rank0["parameters"].keys() == rank1["parameters"].keys() and rank0["parameters"]
+    assert rank1["out"] == rank1["err"] == "", f"rank 1 must not log: {rank1['out']!r} {rank1['err']!r}"
     for name, weight in rank0["parameters"].items():
         assert torch.equal(weight, rank1["parameters"][name]), f"{name} differs between the ranks"
-    for name, buffer in (rank0["evaluated"] or [{}])[0].items():  # BatchNorm's running statistics
+
+
+def test_the_linear_example_resumes_on_another_process_count_with_the_same_data(tmp_path, capsys):
+    run = LINEAR + ["--precision", "fp32", "--run-dir", str(tmp_path / "run")]
+    assert amp_train.main(run + ["--epochs", "1"]) == 0
+    rank0, rank1 = run_two_processes(run + ["--epochs", "2", "--resume"], tmp_path)
+    assert_in_step(rank0, rank1)
+    assert "batch 64 | processes 2 | global batch 128" in rank0["out"] and "global batch 128, was 128" in rank0["out"]
+    assert amp_train.main(run + ["--epochs", "3", "--resume"]) == 0
+    assert amp_train.main(LINEAR + ["--precision", "fp32", "--epochs", "3", "--run-dir", str(tmp_path / "alone")]) == 0
+    mixed, alone = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("run", "alone"))
+    assert [r["processes"] for r in mixed] == [1, 2, 1], mixed
+    assert [r["train_loss"] for r in mixed] == pytest.approx([r["train_loss"] for r in alone], abs=1e-6), (mixed, alone)
+
+
+def test_resnet_on_two_processes_evaluates_one_model_and_notes_the_new_global_batch(tmp_path, capsys):
+    run = RESNET_TINY + ["--max-steps", "1", "--run-dir", str(tmp_path / "run")]
+    assert amp_train.main(run + ["--epochs", "1"]) == 0
+    rank0, rank1 = run_two_processes(run + ["--epochs", "2", "--resume"], tmp_path)
+    assert_in_step(rank0, rank1)
+    assert "note: 2 processes replace the checkpoint's 1: global batch 8, was 4" in rank0["out"], rank0["out"]
+    assert len(rank0["evaluated"][0]) == 40, "ResNet18's BatchNorm buffers"
+    for name, buffer in rank0["evaluated"][0].items():  # BatchNorm's running statistics
         assert torch.equal(buffer, rank1["evaluated"][0][name]), f"the ranks evaluated with different {name}"
-    assert "resnet" not in argv or len(rank0["evaluated"][0]) == 40, rank0["evaluated"]
 
 
-def test_only_rank_0_writes_metrics(tmp_path):
-    path = tmp_path / "m.jsonl"
-    ranks = run_two_processes(["--device", "cpu", "--example", "linear", "--epochs", "3", "--metrics", str(path)],
-                              tmp_path)
-    assert [r["code"] for r in ranks] == [0, 0], [r["err"] for r in ranks]
-    records = read_metrics(path)
-    assert [(r["epoch"], r["processes"]) for r in records] == [(1, 2), (2, 2), (3, 2)], records
-
-
-def test_checkpoints_move_between_one_and_two_processes(tmp_path):
-    path = str(tmp_path / "run.pt")
-    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", path]
-    assert amp_train.main(linear + ["--epochs", "1"]) == 0
-    rank0, rank1 = run_two_processes(linear + ["--epochs", "2", "--resume"], tmp_path)
-    assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
-    assert f"resumed from {path} after epoch 1" in rank0["out"], rank0["out"]
-    saved = load(path)
-    assert saved["epoch"] == 2 and set(saved["model"]) == {"weight", "bias"}, "save the unwrapped module"
-    assert amp_train.main(linear + ["--epochs", "3", "--resume"]) == 0
-    assert load(path)["epoch"] == 3
-
-
-def test_an_error_under_two_processes_exits_2_and_leaves_the_group(tmp_path):
-    path = tmp_path / "run.pt"
-    write_foreign(path)
-    argv = ["--device", "cpu", "--example", "linear", "--checkpoint", str(path), "--resume"]
-    ranks = run_two_processes(argv, tmp_path)
-    for rank in ranks:
-        assert rank["code"] == 2 and "not written by amp_train.py" in rank["err"], rank
-        assert rank["group_left"], "the process group must be destroyed on errors too"
+def test_an_error_under_two_processes_exits_2_in_each_and_leaves_the_group(tmp_path):
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "checkpoint.pt")
+    for rank in run_two_processes(LINEAR + ["--run-dir", str(tmp_path), "--resume"], tmp_path):
+        assert rank["code"] == 2 and "not a readable checkpoint" in rank["err"] and rank["group_left"], rank
 
 
 def mock_cifar10_download(out_dir):
     """Downloading writes the tiny CIFAR-10 folder, slowly, and leaves a line in calls.txt."""
-    import time
     import torchvision.datasets.cifar as cifar
     def download(url, download_root, **kwargs):
         with open(out_dir / "calls.txt", "a") as calls:
@@ -1246,84 +1305,74 @@ def two_machines_sharing_the_data_root(out_dir):
     mock_cifar10_download(out_dir)
 
 
-@pytest.mark.parametrize("setup", [mock_cifar10_download, two_machines_sharing_the_data_root])
-def test_only_one_process_per_machine_downloads_cifar10(setup, tmp_path):
+def test_two_machines_that_share_the_data_root_download_cifar10_once(tmp_path):
+    # Both processes are the first of their machine: without global rank 0's turn first, both would download.
     argv = ["--device", "cpu", "--example", "resnet", "--data-root", str(tmp_path / "data"), "--epochs", "1",
             "--batch-size", "4"]
-    rank0, rank1 = run_two_processes(argv, tmp_path, setup=setup)
+    rank0, rank1 = run_two_processes(argv, tmp_path, setup=two_machines_sharing_the_data_root)
     assert rank0["code"] == rank1["code"] == 0, (rank0["err"], rank1["err"])
-    assert (tmp_path / "calls.txt").read_text() == "0\n", "only local rank 0 may download"
-    assert re.search(r"^epoch 1/1 ", rank0["out"], re.M), rank0["out"]
-
-
-def rank_1_finds_an_older_checkpoint(out_dir):
-    """As on machines that share no disk: rank 1 reads another checkpoint than rank 0."""
-    load_checkpoint = amp_train.load_checkpoint
-    def older(*args, **kwargs):
-        state = load_checkpoint(*args, **kwargs)
-        return {**state, "epoch": state["epoch"] - 1} if os.environ["RANK"] == "1" else state
-    amp_train.load_checkpoint = older
-
-
-def test_processes_that_would_resume_from_different_epochs_refuse(tmp_path):
-    path = tmp_path / "run.pt"
-    linear = ["--device", "cpu", "--example", "linear", "--checkpoint", str(path)]
-    assert amp_train.main(linear + ["--epochs", "2"]) == 0
-    ranks = run_two_processes(linear + ["--epochs", "4", "--resume"], tmp_path, setup=rank_1_finds_an_older_checkpoint)
-    for rank in ranks:
-        assert rank["code"] == 2 and "at epochs 1 to 2: put the checkpoint on a file system" in rank["err"], rank
-    assert load(path)["epoch"] == 2
+    assert (tmp_path / "calls.txt").read_text() == "0\n", "only global rank 0 may download"
 
 
 def test_one_visible_gpu_per_process_is_used(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert amp_train.resolve_device("cuda") == torch.device("cuda", 0), "no torchrun: the first GPU, by index"
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(amp_train.UsageError, match="no GPU of its own"):
         amp_train.resolve_device("cuda")  # 4 processes would share the machine's one GPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # a launcher that gives each process its own GPU
     assert amp_train.resolve_device("cuda") == torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(amp_train.UsageError, match="no GPU of its own"):
-        amp_train.resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert amp_train.resolve_device("cuda") == torch.device("cuda", 3)
 
 
-def test_nccl_gets_the_device_and_every_group_a_timeout_and_keys_of_its_round(monkeypatch):
+def test_nccl_gets_the_device_every_round_keys_of_its_own_and_every_restart_the_jobs_name(monkeypatch):
     calls, store = [], torch.distributed.HashStore()
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    for key, value in (("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "x"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(key, value)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.distributed, "rendezvous", lambda url, timeout: iter([(store, 1, 2)]))
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: calls.append((a, k)))
-    amp_train.init_distributed(torch.device("cuda", 1))
-    amp_train.init_distributed(CPU)
-    timeout = amp_train.DIST_TIMEOUT
-    assert [(a, k["timeout"], k["device_id"], k["rank"], k["world_size"]) for a, k in calls] == [
-        (("nccl",), timeout, torch.device("cuda", 1), 1, 2), (("gloo",), timeout, None, 1, 2)], calls
-    assert timeout.total_seconds() <= 600, "a lost peer must end the run within 10 minutes"
-    calls[0][1]["store"].set("key", "value")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    job = amp_train.init_distributed(torch.device("cuda", 1))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert amp_train.init_distributed(CPU) == job, "a restart of the same job (the same store) must find its name"
+    assert [(a, k["device_id"], k["rank"], k["world_size"], k["timeout"]) for a, k in calls] == [
+        (("nccl",), torch.device("cuda", 1), 1, 2, amp_train.DIST_TIMEOUT), (("gloo",), None, 1, 2,
+                                                                              amp_train.DIST_TIMEOUT)], calls
+    assert amp_train.DIST_TIMEOUT.total_seconds() <= 600, "a lost peer must end the run within 10 minutes"
+    calls[1][1]["store"].set("key", "value")
     assert store.get("restart3/key") == b"value", "a restarted round must not read the keys of the round before"
+    monkeypatch.setattr(torch.distributed, "rendezvous", lambda url, timeout: iter([(torch.distributed.HashStore(), 1,
+                                                                                     2)]))
+    assert amp_train.init_distributed(CPU) != job, "another job (another store) must get another name"
 
 
-def torchrun(tmp_path, *argv, max_restarts=0, kill_after=None):
-    """Runs amp_train.py under torchrun with 2 CPU processes; with kill_after=PATH, SIGKILLs one
-    worker as soon as PATH appears. Returns the finished process."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               f"--max-restarts={max_restarts}", str(pathlib.Path(amp_train.__file__)), "--device", "cpu", *argv]
+# ---------------------------------------------------------------- torchrun, and its restarts
+
+DIES = """import os, signal, sys
+sys.path.insert(0, {here!r})
+import amp_train
+saves, real = [], amp_train.replace_file
+def dying(path, write):  # as kill -9 would end it, rank 0 dies in round 0 before checkpoint 1, in round 1 after 2
+    saves.append(path) if path.endswith("checkpoint.pt") else None
+    round = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if round == "0" and saves:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, write)
+    if round == "1" and len(saves) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+amp_train.replace_file = dying
+sys.exit(amp_train.main())
+"""
+
+
+def torchrun(tmp_path, *argv, script=SCRIPT, max_restarts=0, rendezvous=("--standalone",)):
+    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node=2",
+               f"--max-restarts={max_restarts}", script, "--device", "cpu", *argv]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                                start_new_session=True)
-    if kill_after:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(kill_after) and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        workers = pathlib.Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
-        os.kill(int(workers[-1]), signal.SIGKILL)
     try:
         out, err = process.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -1332,40 +1381,31 @@ def torchrun(tmp_path, *argv, max_restarts=0, kill_after=None):
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
-def last_epoch_line(out):
-    line = re.findall(r"^epoch .*$", out, re.M)[-1]
-    return line.rsplit(" | ", 2)[0]  # without the img/s and seconds
+def test_torchrun_restarts_go_on_from_the_jobs_own_checkpoint_or_start_over(tmp_path):
+    # Round 0 dies between its first metrics line and its first checkpoint: round 1 starts over, with
+    # the metrics reset; it dies after its second checkpoint: round 2 goes on from there.
+    (tmp_path / "dies.py").write_text(DIES.format(here=str(HERE)))
+    argv = ["--example", "linear", "--precision", "fp32", "--epochs", "4", "--run-dir", "run"]
+    done = torchrun(tmp_path, *argv, script=str(tmp_path / "dies.py"), max_restarts=2)
+    assert done.returncode == 0 and done.stderr.count("exitcode: -9") == 2, done.stdout + done.stderr
+    assert "processes 2 | global batch 128" in done.stdout and len(re.findall(r"^epoch 1/4 ", done.stdout, re.M)) == 2
+    assert re.search(r"^resumed from run after epoch 2$", done.stdout, re.M), done.stdout
+    assert [r["epoch"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert amp_train.main(LINEAR + ["--precision", "fp32", "--epochs", "4", "--run-dir", str(tmp_path / "alone")]) == 0
+    restarted, alone = load(tmp_path / "run" / "checkpoint.pt"), load(tmp_path / "alone" / "checkpoint.pt")
+    for name, weight in alone["model"].items():
+        assert torch.allclose(restarted["model"][name], weight, atol=1e-6), name
 
 
-def test_a_killed_worker_is_restarted_by_torchrun_and_the_run_resumes(tmp_path):
-    argv = ["--example", "resnet", "--data", "synthetic", "--max-steps", "2", "--batch-size", "8", "--epochs", "10"]
-    done = torchrun(tmp_path, *argv, "--checkpoint", "run.pt", max_restarts=2, kill_after=tmp_path / "run.pt")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "exitcode: -9" in done.stderr, "no worker was killed: " + done.stderr
-    assert re.search(r"^resumed from run.pt after epoch \d+$", done.stdout, re.M), done.stdout
-    uninterrupted = run_two_processes(["--device", "cpu", *argv], tmp_path)[0]
-    assert last_epoch_line(done.stdout) == last_epoch_line(uninterrupted["out"]), (done.stdout, uninterrupted["out"])
-
-
-def test_a_restart_never_resumes_a_checkpoint_of_another_run(tmp_path, capsys):
-    path = tmp_path / "run.pt"
-    assert amp_train.main(["--device", "cpu", "--example", "linear", "--epochs", "1", "--checkpoint", str(path)]) == 0
-    before = path.read_bytes()
-    done = torchrun(tmp_path, "--example", "linear", "--epochs", "2", "--checkpoint", "run.pt", max_restarts=1)
-    assert done.returncode != 0, done.stdout
-    assert done.stderr.count("already exists: add --resume") == 4, done.stderr  # 2 processes, 2 rounds
-    assert 'amp_train.py", line' not in done.stderr, "a worker ended in a traceback: " + done.stderr
-    assert path.read_bytes() == before, "the other run's checkpoint was changed"
-
-
-def test_torchrun_launches_the_linear_example(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(pathlib.Path(amp_train.__file__)), "--device", "cpu", "--example", "linear", "--epochs", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("amp_train | example linear") == 1, done.stdout
-    assert "processes 2 | global batch 256" in done.stdout, done.stdout
-    assert len(re.findall(r"^epoch 2/2 ", done.stdout, re.M)) == 1, done.stdout
+def test_a_restart_under_static_rendezvous_never_resumes_another_runs_checkpoint(tmp_path, capsys):
+    # Static rendezvous names every job "none", so the job's name comes from torchrun's store instead.
+    assert amp_train.main(LINEAR + ["--epochs", "3", "--run-dir", str(tmp_path / "run")]) == 0
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    second = torchrun(tmp_path, "--example", "linear", "--epochs", "6", "--lr", "0.05", "--run-dir", "run",
+                      rendezvous=("--master-port", str(free_port())), max_restarts=1)
+    assert second.returncode != 0 and second.stderr.count("holds a checkpoint: add --resume") == 4, second.stderr
+    assert 'amp_train.py", line' not in second.stderr, "a worker ended in a traceback: " + second.stderr
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before, "the other run's checkpoint was changed"
 
 
 # ---------------------------------------------------------------- CUDA only
@@ -1373,8 +1413,8 @@ def test_torchrun_launches_the_linear_example(tmp_path):
 @requires_cuda
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_cuda_resnet_example_runs(precision, capsys):
-    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "3",
-            "--batch-size", "16", "--device", "cuda", "--precision", precision]
+    argv = ["--example", "resnet", "--data", "synthetic", "--epochs", "1", "--max-steps", "3", "--batch-size", "16",
+            "--device", "cuda", "--precision", precision]
     assert amp_train.main(argv) == 0
     out = capsys.readouterr().out
     assert f"device cuda:0 | precision {precision}" in out and re.search(r"^epoch 1/1 ", out, re.M), out
@@ -1383,12 +1423,10 @@ def test_cuda_resnet_example_runs(precision, capsys):
 @requires_cuda
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_cuda_memory_example_measures_peak_memory(precision, capsys):
-    argv = ["--example", "memory", "--device", "cuda", "--precision", precision,
-            "--batch-size", "64", "--steps", "2", "--json"]
+    argv = ["--example", "memory", "--device", "cuda", "--precision", precision, "--batch-size", "64", "--steps", "2",
+            "--json"]
     assert amp_train.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["fp32"]["peak_bytes"] > 0 and result["amp"]["peak_bytes"] > 0, result
-    assert result["ratio"]["peak_bytes"] < 1, f"AMP peak memory should be below fp32's: {result['ratio']}"
+    assert 0 < result["amp"]["peak_bytes"] < result["fp32"]["peak_bytes"], result
     assert result["amp"]["reserved_bytes"] >= result["amp"]["peak_bytes"], result["amp"]
-    assert result["ratio"]["activation_bytes"] < 0.6, result["ratio"]
-    assert result["tf32"] is not None, "on CUDA the TF32 state must be reported"
+    assert result["ratio"]["activation_bytes"] < 0.6 and result["tf32"] is not None, result
