@@ -9,8 +9,8 @@
 train_epoch, first below, is the part to copy. Precision is chosen once (--precision auto: fp16 with
 a GradScaler on CUDA, bf16 on the CPU; fp32 is the baseline) and passed down as `amp_dtype`.
 """
-import argparse, collections, contextlib, copy, datetime, errno, fcntl, gc, json, math, os, signal, statistics
-import sys, time
+import argparse, collections, contextlib, copy, datetime, errno, fcntl, gc, itertools, json, math, os, signal
+import statistics, sys, time
 
 import torch
 import torch.distributed as dist
@@ -58,14 +58,14 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
     loss_sum = torch.zeros((), device=device)  # summed on the device: no .item() per step
     skipped = torch.zeros((), device=device)
     steps = samples = pending = 0               # pending: micro-batches since the last optimizer step
-    start = time.perf_counter()
-    batches = iter(loader)
+    batches, start = iter(loader), time.perf_counter()
     batch = next(batches, None)
-    while batch is not None and steps != max_steps:
-        (inputs, targets), batch = batch, next(batches, None)  # one batch ahead: is this the last?
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    while batch is not None:
         pending += 1
-        step_now = pending == accum_steps or batch is None
+        (inputs, targets), full = batch, pending == accum_steps
+        batch = None if full and steps + 1 == max_steps else next(batches, None)  # one ahead: is this the last?
+        step_now = full or batch is None
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         # DDP all-reduces the gradients in backward: only in the one before a step, not under no_sync.
         with contextlib.nullcontext() if step_now or not hasattr(model, "no_sync") else model.no_sync():
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -84,7 +84,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         scaler.step(optimizer)                            # skips the step if a gradient is inf/NaN
         if scaler.is_enabled():  # found_inf, on the device: torch has no public way to read it without a sync
-            skipped += sum(found.to(device) for found in scaler._found_inf_per_device(optimizer).values())
+            skipped += sum(found.to(device) for found in scaler._found_inf_per_device(optimizer).values()) > 0
         scaler.update()                                   # halves the scale after a skip, grows it after 2000 steps
         optimizer.zero_grad(set_to_none=True)             # frees the gradients instead of writing zeros
         steps, pending = steps + 1, 0
@@ -93,26 +93,25 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype,
             print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
                   f"{samples / (time.perf_counter() - start):.0f} samples/s{alone}", flush=True)
     loss_sum, skipped = torch.stack([loss_sum, skipped]).tolist()  # the host sync: waits for the device
-    return {"loss": loss_sum / max(samples, 1), "steps": steps, "skipped_steps": int(skipped),
+    return {"loss": loss_sum / samples if samples else float("nan"), "steps": steps, "skipped_steps": int(skipped),
             "samples": samples, "seconds": time.perf_counter() - start,
             "loss_scale": scaler.get_scale() if scaler.is_enabled() else None}
 
 
 @torch.inference_mode()
 def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
-    """Mean loss per sample and accuracy (argmax == target) over `loader`, under autocast."""
+    """Mean loss per sample, accuracy (argmax == target) and samples of `loader`, under autocast. Needs
+    `import itertools, torch`."""
     device = torch.device(device)
     model.eval()
     loss_sum, correct, samples = torch.zeros((), device=device), torch.zeros((), device=device), 0
-    for step, (inputs, targets) in enumerate(loader, 1):
+    for inputs, targets in itertools.islice(loader, max_steps):
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             outputs = model(inputs)
             loss_sum += criterion(outputs, targets).float() * len(targets)
         correct += (outputs.argmax(dim=1) == targets).sum()
         samples += len(targets)
-        if step == max_steps:
-            break
     loss_sum, correct = torch.stack([loss_sum, correct]).tolist()
     return {"loss": loss_sum / max(samples, 1), "accuracy": correct / max(samples, 1), "samples": samples}
 
@@ -167,8 +166,6 @@ def init_distributed(device):
     missing = [key for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if key not in os.environ]
     if missing:
         raise UsageError(f"{', '.join(missing)} missing: start with torchrun, or unset WORLD_SIZE and RANK")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     store, rank, world_size = next(dist.rendezvous("env://", timeout=DIST_TIMEOUT))
     # torchrun keeps one key-value store over its restarts: the first process to ask names the job, and
     # restarts find that name. Each round gets keys of its own: reading the last round's hung gloo (seen here).
@@ -202,20 +199,18 @@ class DeviceLoader:
 
     def __len__(self):
         n = len(self.targets)
-        shard = n // self.world_size if self.shuffle else len(range(self.rank, n, self.world_size))
-        return math.ceil(shard / self.batch_size)
+        if self.shuffle:  # whole batches of equal shards: a last batch of one sample would break BatchNorm
+            return n // self.world_size // self.batch_size
+        return math.ceil(len(range(self.rank, n, self.world_size)) / self.batch_size)
 
     def __iter__(self):
         n, device = len(self.targets), self.targets.device
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32  # a generator keeps 32 bits of its seed
-        shuffle = torch.Generator(device).manual_seed(seed)
         augment = torch.Generator(device).manual_seed((seed + 7919 * (self.rank + 1)) % 2**32)  # per process
-        if self.shuffle:  # the same permutation in every process, cut into equal shards
-            order = torch.randperm(n, generator=shuffle, device=device)[:n - n % self.world_size]
-        else:
-            order = torch.arange(n, device=device)
-        order = order[self.rank::self.world_size]
-        for start in range(0, len(order), self.batch_size):
+        # With shuffle, one permutation for all processes (drawn on the CPU: the same on any GPU), in equal shards.
+        order = (torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:n - n % self.world_size]
+                 if self.shuffle else torch.arange(n))[self.rank::self.world_size].to(device)
+        for start in range(0, len(self) * self.batch_size if self.shuffle else len(order), self.batch_size):
             index = order[start:start + self.batch_size]
             inputs = self.inputs[index]
             yield (inputs if self.transform is None else self.transform(inputs, augment)), self.targets[index]
@@ -278,6 +273,8 @@ def cifar10(root):
 def build_example(args, device, rank=0, world_size=1):
     """Model, loss, train and test loader (None for linear) of args.example, each process with its shard."""
     if args.example == "linear":  # the post's one fixed batch, seeded, shared out among the processes
+        if args.batch_size < world_size:
+            raise UsageError(f"--batch-size {args.batch_size} leaves some of the {world_size} processes no sample")
         g = torch.Generator().manual_seed(args.seed)
         x, y = torch.randn(args.batch_size, 10, generator=g), torch.randn(args.batch_size, 1, generator=g)
         loader = DeviceLoader(x, y, args.batch_size, device, rank=rank, world_size=world_size)
@@ -338,7 +335,7 @@ def open_run_dir(folder, resume, job, example):
             raise UsageError(f"cannot write in {folder} ({os_error(e)}): pass another --run-dir") from None
         raise
     if torn:
-        print(f"note: dropped {torn} unreadable lines of {metrics} (torn by a crash or a full disk)")
+        print(f"note: dropped {torn} unreadable line(s) of {metrics} (torn by a crash or a full disk)")
     return lock, state
 
 
@@ -703,7 +700,7 @@ def number(kind, low, high):
     def parse(text):
         value = kind(text)  # a ValueError reads "invalid int value: 'x'"
         if not low <= value <= high or kind is float and value == low:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"{text} is not {'above' if kind is float else 'from'} {low} to {high:g}")
+            raise argparse.ArgumentTypeError(f"{text} is not in {'(' if kind is float else '['}{low}, {high:.4g}]")
         return value
     parse.__name__ = kind.__name__
     return parse
@@ -745,6 +742,8 @@ def main(argv=None):
         if args.example == "memory" and args.run_dir:
             raise UsageError("--run-dir is for the resnet and linear examples, not memory")
         device = resolve_device(args.device)
+        if device.type == "cuda":  # this process's GPU, for what asks for the current one (its bf16 support, NCCL)
+            torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: let cuDNN time its kernels once
         args.precision = resolve_precision(args.precision, device)
         if device.type == "cpu" and args.precision == "fp16" and "linear" not in (args.example, args.model):

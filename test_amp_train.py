@@ -221,6 +221,17 @@ def test_skipped_steps_are_counted_for_plain_foreach_and_fused_optimizers(make, 
     assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the good step did not move"
 
 
+def test_a_skip_seen_on_several_devices_counts_once(monkeypatch):
+    # Parameters on two GPUs give found_inf once per device: one skipped step, not two.
+    x, y = linear_batch(8)
+    model, optimizer, scaler = linear_setup("cpu", torch.float16)
+    found_inf = scaler._found_inf_per_device
+    monkeypatch.setattr(scaler, "_found_inf_per_device", lambda opt: dict(enumerate(list(found_inf(opt).values()) * 2)))
+    stats = amp_train.train_epoch(model, [(with_inf(x), y), (x, y)], optimizer, nn.MSELoss(), scaler, CPU,
+                                  torch.float16)
+    assert (stats["steps"], stats["skipped_steps"]) == (2, 1), stats
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_skipped_steps_are_counted_when_the_parameters_sit_on_two_gpus():
     class TwoGPUs(nn.Module):
@@ -260,6 +271,20 @@ def test_the_loss_is_the_per_sample_mean_over_batches_and_max_steps_counts_steps
     model, optimizer, _ = linear_setup()
     stats = amp_train.train_epoch(model, [(x, y)] * 10, optimizer, nn.MSELoss(), None, CPU, None, max_steps=3)
     assert (stats["steps"], stats["samples"]) == (3, 12), stats
+
+
+def test_max_steps_takes_no_batch_it_does_not_train_on_and_an_empty_loader_gives_nan():
+    # An endless stream cut into epochs by max_steps: every batch is trained on, in order, once.
+    x, y = linear_batch(24)
+    stream, seen = iter(zip(x.split(4), y.split(4))), []
+    model, optimizer, _ = linear_setup()
+    model.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0][0, 0].item()))
+    for _ in range(3):
+        stats = amp_train.train_epoch(model, stream, optimizer, nn.MSELoss(), None, CPU, None, max_steps=2)
+        assert stats["steps"] == 2, stats
+    assert seen == x[::4, 0].tolist(), "a batch was skipped or seen twice"
+    empty = amp_train.train_epoch(model, stream, optimizer, nn.MSELoss(), None, CPU, None)
+    assert empty["steps"] == empty["samples"] == 0 and math.isnan(empty["loss"]), "no data is no loss of 0"
 
 
 def test_evaluate_counts_correct_predictions_under_inference_mode():
@@ -460,7 +485,7 @@ def test_cifar10_is_read_in_its_real_format_and_normalized(tmp_path, monkeypatch
     import torchvision.datasets.cifar
     write_tiny_cifar10(tmp_path)
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)  # our md5s differ
-    args = amp_train.parse_args(["--data-root", str(tmp_path), "--batch-size", "4"])
+    args = amp_train.parse_args(["--data-root", str(tmp_path), "--batch-size", "5"])
     _, _, train, test = amp_train.build_example(args, CPU)
     images, labels = next(iter(test))
     mean, std = torch.tensor(amp_train.CIFAR10_MEAN), torch.tensor(amp_train.CIFAR10_STD)
@@ -482,6 +507,20 @@ def test_the_order_depends_on_seed_and_epoch_only():
     assert order(0, 1) == order(0, 1) and order(0, 1) != order(0, 2) and order(0, 1) != order(1, 1)
 
 
+def test_training_batches_are_whole_and_the_order_the_same_on_any_device():
+    loader = amp_train.DeviceLoader(torch.arange(10), torch.arange(10), 3, CPU, shuffle=True)
+    assert [len(targets) for _, targets in loader] == [3, 3, 3] == [3] * len(loader), "a batch of 1 breaks BatchNorm"
+    if torch.cuda.is_available():
+        on_gpu = amp_train.DeviceLoader(torch.arange(10), torch.arange(10), 3, "cuda", shuffle=True)
+        assert [t.tolist() for _, t in on_gpu] == [t.tolist() for _, t in loader], "the GPU drew another order"
+
+
+def test_the_linear_example_refuses_a_batch_smaller_than_its_processes():
+    args = amp_train.parse_args(LINEAR + ["--batch-size", "1"])
+    with pytest.raises(amp_train.UsageError, match="leaves some of the 2 processes no sample"):
+        amp_train.build_example(args, CPU, rank=1, world_size=2)
+
+
 def test_each_process_draws_crops_of_its_own():
     image = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     batches = [next(iter(amp_train.DeviceLoader(image.repeat(16, 1, 1, 1), torch.zeros(16), 8, CPU,
@@ -500,8 +539,8 @@ def test_processes_get_disjoint_shards(shuffle):
         assert len(loader) == math.ceil(len(shards[-1]) / 4), "len() must count the batches"
     seen = [i for shard in shards for i in shard]
     assert len(seen) == len(set(seen)), f"a sample went to two processes: {shards}"
-    if shuffle:  # equal shards, so that every process takes as many steps
-        assert {len(shard) for shard in shards} == {n // world}, shards
+    if shuffle:  # equal shards, so that every process takes as many steps, in whole batches (7 // 4)
+        assert {len(shard) for shard in shards} == {4}, shards
     else:        # evaluation: every sample exactly once
         assert sorted(seen) == list(range(n)), shards
 
@@ -512,10 +551,9 @@ def test_every_augmented_image_is_a_window_of_the_padded_image_possibly_mirrored
     out = amp_train.random_crop_flip(images, torch.Generator().manual_seed(1))
     windows = []
     for image, augmented in zip(images, out):  # torchvision's pad, crop and flip, by brute force
-        padded = TF.pad(image, [4])
+        padded, flip = TF.pad(image, [4]), {False: lambda t: t, True: TF.horizontal_flip}
         windows.append(next(((dy, dx, m) for dy in range(9) for dx in range(9) for m in (False, True)
-                             if torch.equal((TF.horizontal_flip if m else (lambda t: t))(TF.crop(padded, dy, dx, 32, 32)),
-                                            augmented)), None))
+                             if torch.equal(flip[m](TF.crop(padded, dy, dx, 32, 32)), augmented)), None))
     assert None not in windows, f"image {windows.index(None)} is no window of its padded image"
     assert len({(dy, dx) for dy, dx, _ in windows}) > 20 and {m for _, _, m in windows} == {False, True}, windows
     assert {dy for dy, _, _ in windows} == set(range(9)) == {dx for _, dx, _ in windows}, windows
@@ -555,7 +593,8 @@ def spy(monkeypatch):
             call["forwards"] += 1
             call["dtypes"].add(output.dtype)
         def step_hook(*_):
-            call["norms"].append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item())
+            norms = torch.stack([p.grad.norm() for p in model.parameters()])
+            call["norms"].append(torch.linalg.vector_norm(norms).item())
         hooks = [model.register_forward_hook(forward_hook), optimizer.register_step_pre_hook(step_hook)]
         call["stats"] = real(model, batches(), optimizer, criterion, scaler, device, amp_dtype, *args)
         for hook in hooks:
@@ -601,6 +640,7 @@ def test_device_cpu_is_used_and_cuda_without_a_gpu_exits_2(monkeypatch, spy, cap
 def test_device_cuda_takes_gpu_0_and_turns_on_cudnn_benchmark(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     seen = {}
     monkeypatch.setattr(amp_train, "run_training", lambda args, device, *rest: seen.update(
@@ -780,7 +820,20 @@ def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     assert "--precision fp16" in run_bad(["--example", "linear", "--device", "cuda", "--precision", "bf16"], capsys)
+
+
+def test_bf16_support_is_asked_of_this_processs_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    current = []  # is_bf16_supported() asks the current GPU: it must be this process's by then
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: current == [
+        torch.device("cuda", 1)])
+    monkeypatch.setattr(amp_train, "run_training", lambda args, device, *rest: 0)
+    assert amp_train.main(["--example", "linear", "--device", "cuda", "--precision", "bf16"]) == 0
 
 
 def test_world_size_without_the_rest_of_torchruns_environment_exits_2(monkeypatch, capsys):
@@ -974,7 +1027,8 @@ def test_a_second_run_on_a_live_runs_folder_refuses_and_touches_nothing(tmp_path
     finally:
         first.send_signal(signal.SIGINT)
         first.wait(timeout=60)
-    saved, epochs = load(tmp_path / "checkpoint.pt")["epoch"], [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    saved = load(tmp_path / "checkpoint.pt")["epoch"]
+    epochs = [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert epochs == list(range(1, len(epochs) + 1)) and epochs[-1] in (saved, saved + 1), (saved, epochs)
     assert amp_train.main(LINEAR + ["--epochs", str(saved + 1), "--run-dir", str(tmp_path), "--resume"]) == 0
     assert [r["epoch"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, saved + 2))
@@ -1035,7 +1089,7 @@ def test_resume_cuts_the_metrics_back_to_the_checkpoint_and_drops_torn_lines(tmp
     with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # epoch 3's line, then a line torn by a full disk
         f.write('{"example": "linear", "epoch": 3, "train_loss": 9.0}\n{"example": "lin')
     assert amp_train.main(run + ["--epochs", "4", "--resume"]) == 0
-    assert "note: dropped 1 unreadable lines" in capsys.readouterr().out
+    assert "note: dropped 1 unreadable line(s)" in capsys.readouterr().out
     resumed = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["epoch"] for r in resumed] == [1, 2, 3, 4], "an epoch past the checkpoint must not stay twice"
     assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in read_metrics(straight / "metrics.jsonl")]
