@@ -340,7 +340,9 @@ def open_run_dir(folder, resume, job, example):
 
 
 def os_error(e):
-    return f"{e.strerror or e}" + ("; free some space" if e.errno == errno.ENOSPC else "")
+    e = e.__context__ if isinstance(e.__context__, OSError) else e  # torch.save wraps a full disk in a RuntimeError
+    return f"{getattr(e, 'strerror', None) or e}" + ("; free some space" if getattr(e, "errno", 0) == errno.ENOSPC
+                                                      else "")
 
 
 def replace_file(path, write):
@@ -438,7 +440,7 @@ def write_epoch(args, record, state):
             f.write(line + "\n")
         if state is not None:
             replace_file(os.path.join(args.run_dir, "checkpoint.pt"), lambda f: torch.save(state, f))
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports some write failures as a RuntimeError
         raise UsageError(f"could not write in {args.run_dir} ({os_error(e)}); {kept(args)}") from None
 
 
@@ -737,10 +739,8 @@ def main(argv=None):
     args, lock = None, None
     try:
         args = parse_args(argv)
-        if args.resume and not args.run_dir:
-            raise UsageError("--resume needs --run-dir DIR: the folder of the run to go on with")
-        if args.example == "memory" and args.run_dir:
-            raise UsageError("--run-dir is for the resnet and linear examples, not memory")
+        if args.resume and not args.run_dir or args.run_dir and args.example == "memory":
+            raise UsageError("--resume needs --run-dir DIR, the run's folder, which the memory example has none of")
         device = resolve_device(args.device)
         if device.type == "cuda":  # this process's GPU, for what asks for the current one (its bf16 support, NCCL)
             torch.cuda.set_device(device)
