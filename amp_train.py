@@ -125,6 +125,7 @@ class UsageError(Exception):
 class Terminated(KeyboardInterrupt):
     """SIGTERM (torchrun stopping its workers, a job scheduler): the run ends as on Ctrl-C."""
 
+    @staticmethod
     def handler(signum, frame):
         raise Terminated()
 
@@ -740,7 +741,7 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         if args.resume and not args.run_dir or args.run_dir and args.example == "memory":
-            raise UsageError("--resume needs --run-dir DIR, the run's folder, which the memory example has none of")
+            raise UsageError("--resume needs --run-dir DIR, and --run-dir is for the resnet and linear examples")
         device = resolve_device(args.device)
         if device.type == "cuda":  # this process's GPU, for what asks for the current one (its bf16 support, NCCL)
             torch.cuda.set_device(device)
