@@ -446,10 +446,11 @@ def write_epoch(args, record, state):
 
 
 def kept(args):
-    """What the run folder holds: the last words of a run that stops."""
-    folder, epoch = getattr(args, "run_dir", None), getattr(args, "saved_epoch", None)
-    return (f"{folder} holds epoch {epoch}" if epoch else f"nothing was saved in {folder}" if folder
-            else "nothing is saved without --run-dir")
+    """What the run folder holds, as read from it: the last words of a run that stops."""
+    path = os.path.join(args.run_dir, "checkpoint.pt") if getattr(args, "run_dir", None) else None
+    if path is None or not os.path.exists(path):
+        return f"nothing was saved in {args.run_dir}" if path else "nothing is saved without --run-dir"
+    return f"{args.run_dir} holds epoch {torch.load(path, mmap=True, weights_only=True)['epoch']}"
 
 
 # ---------------------------------------------------------------- the training examples
@@ -558,7 +559,6 @@ def run_training(args, device, state=None, notes=()):
                 "global_batch": batch, "args": {key: getattr(args, key) for key in RUN_FLAGS},
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler and scheduler.state_dict(), "scaler": scaler.state_dict()})  # {} when off
-        args.saved_epoch = args.saved_epoch if problem or not args.run_dir else epoch + 1
         if stop:
             log(f"error: epoch {epoch + 1}: {problem}; {kept(args)}; try a lower --lr or --clip-grad-norm",
                 file=sys.stderr)
@@ -766,7 +766,6 @@ def main(argv=None):
         notes = []
         if state[0] is not None:
             args, notes = resume_args(argv, state[0], device)
-        args.saved_epoch = state[0] and state[0]["epoch"]
         status = run_training(args, device, state[0], notes)
         if dist.is_initialized():
             dist.barrier()  # let every process finish its last collective before any leaves
