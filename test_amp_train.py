@@ -1,7 +1,6 @@
 """Tests for amp_train.py: CPU by default, CUDA cases run where a GPU is. Run: python -m pytest -q"""
 import contextlib
 import errno
-import fcntl
 import inspect
 import io
 import json
