@@ -55,7 +55,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     torch.amp docs). accum_steps=K: a step per K micro-batches, with their mean gradient (a
     shorter last group: its own). max_steps counts optimizer steps. log_seconds: a progress line
     at most this often. Host syncs: one at the end (two with a scaler), one per progress line
-    and, with fp16 and a plain (not fused) optimizer, one a step.
+    and, with fp16 and a plain (not fused) optimizer, one per step.
     """
     device = torch.device(device)
     if scaler is None:
@@ -131,7 +131,7 @@ class UsageError(Exception):
 
 class Stopped(KeyboardInterrupt):
     """SIGINT or SIGTERM, from the handler __main__ installs (a plain KeyboardInterrupt, as
-    under pytest, goes through main())."""
+    under pytest, passes main())."""
 
     @staticmethod
     def handler(signum, frame):
@@ -141,8 +141,8 @@ class Stopped(KeyboardInterrupt):
 
 
 def say(line, file=None):
-    """Prints a line in one write, flushed, a file name's control characters and bad bytes
-    escaped: they cannot split the line or stop the run."""
+    """Prints a line in one write, flushed; control characters and bad bytes in a file name are
+    escaped."""
     line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
     print(line + "\n", end="", file=file, flush=True)
 
@@ -155,7 +155,8 @@ def resolve_device(name):
         raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu")
     count = torch.cuda.device_count()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= count and (count > 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
+    own_gpu = "CUDA_VISIBLE_DEVICES" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    if local_rank >= count and (count > 1 or not own_gpu):  # torchrun shows each process all GPUs
         raise UsageError(f"process {local_rank} has no GPU of its own: "
                          f"start at most --nproc_per_node={count}")
     return torch.device("cuda", min(local_rank, count - 1))
@@ -175,9 +176,9 @@ def device_label(device):
 
 def resolve_precision(name, device):
     """fp16, bf16 or fp32: 'auto' is fp16 on CUDA (with a GradScaler), bf16 on the CPU."""
-    if name == "auto":
-        name = "fp16" if device.type == "cuda" else "bf16"
     cuda = device.type == "cuda"
+    if name == "auto":
+        name = "fp16" if cuda else "bf16"
     if name == "bf16" and cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError("this GPU does not support bfloat16: use --precision fp16 or fp32")
     return name
@@ -188,7 +189,8 @@ def warn_if_slow(args, device):
     if device.type != "cpu" or "linear" in (args.example, args.model) or rank_and_world()[0]:
         return
     if args.precision == "fp16":
-        say("warning: fp16 convolutions are very slow on CPUs; bf16 is the CPU's AMP", sys.stderr)
+        say("warning: fp16 convolutions are very slow on CPUs: --precision bf16 (with AMX or "
+            "AVX512-BF16) or fp32 is faster", sys.stderr)
     if args.precision == "bf16" and cpu_bf16() == "none":
         say("warning: this CPU has no bf16 instructions (AMX, AVX512-BF16): bf16 is emulated, "
             "slower than fp32 here", sys.stderr)
@@ -335,10 +337,10 @@ def cifar10(root):
 
 def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
     """Model, loss, train and test loader (None for linear) of args.example, for one process."""
-    if args.example == "linear":  # the post's one fixed batch, seeded, shared out
-        if args.batch_size < world_size:
-            raise UsageError(f"--batch-size {args.batch_size} leaves some of the {world_size} "
-                             "processes no sample")
+    if args.example == "linear":  # the post's one fixed batch, seeded, shared out evenly
+        if args.batch_size % world_size:  # else DDP's mean of the processes' means is skewed
+            raise UsageError(f"--batch-size {args.batch_size} does not share out evenly among "
+                             f"{world_size} processes")
         g = torch.Generator().manual_seed(args.seed)
         x = torch.randn(args.batch_size, 10, generator=g)
         y = torch.randn(args.batch_size, 1, generator=g)
@@ -870,10 +872,9 @@ def main(argv=None):
             return 2
         if not dist.is_initialized() or not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise
-        # A peer died or stopped answering (gloo's errors are plain RuntimeErrors): torchrun
-        # restarts the job or ends it.
+        # Mostly a peer that died or hung (gloo raises plain RuntimeErrors): torchrun restarts
         where = f"; {kept(run_dir)}" if rank_and_world()[0] == 0 else ""
-        say(f"error: another process of this job died or stopped answering{where}", sys.stderr)
+        say(f"error: the process group failed ({str(e).splitlines()[0][:200]}){where}", sys.stderr)
         return 3
     except OSError as e:  # stdout closed by its reader (| head) or full (> /dev/full)
         with contextlib.suppress(Exception):  # what stdout still holds goes nowhere at exit

@@ -625,9 +625,10 @@ def test_training_batches_are_whole_and_the_order_the_same_on_any_device():
         assert [t.tolist() for _, t in on_gpu] == [t.tolist() for _, t in loader], "the GPU drew another order"
 
 
-def test_the_linear_example_refuses_a_batch_smaller_than_its_processes():
-    args = amp_train.parse_args(LINEAR + ["--batch-size", "1"])
-    with pytest.raises(amp_train.UsageError, match="leaves some of the 2 processes no sample"):
+@pytest.mark.parametrize("batch_size", ["1", "5"])
+def test_the_linear_example_refuses_a_batch_that_does_not_share_out_evenly(batch_size):
+    args = amp_train.parse_args(LINEAR + ["--batch-size", batch_size])
+    with pytest.raises(amp_train.UsageError, match="does not share out evenly among 2 processes"):
         amp_train.build_example(args, CPU, rank=1, world_size=2)
 
 
@@ -1544,7 +1545,7 @@ sys.exit(amp_train.main())
                                 env={**env, "RANK": "1", "LOCAL_RANK": "1"}, timeout=120)
     err = survivor.communicate(timeout=120)[1]
     assert dying_peer.returncode == -signal.SIGKILL and survivor.returncode == 3, (survivor.returncode, err)
-    assert re.fullmatch(rf"error: another process of this job died or stopped answering; "
+    assert re.fullmatch(rf"error: the process group failed \(.*Connection.*\); "
                         rf"{re.escape(str(tmp_path / 'run'))} holds epoch 2\n", err), err
 
 
@@ -1705,6 +1706,9 @@ def test_one_visible_gpu_per_process_is_used(monkeypatch):
         amp_train.resolve_device("cuda")  # 4 processes would share the machine's one GPU
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # a launcher that gives each process its own GPU
     assert amp_train.resolve_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun shows each process every GPU
+    with pytest.raises(amp_train.UsageError, match="no GPU of its own"):
+        amp_train.resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert amp_train.resolve_device("cuda") == torch.device("cuda", 3)
 
