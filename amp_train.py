@@ -96,10 +96,10 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
             print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
                   f"{samples / (last_log - start):.0f} samples/s", flush=True)
     loss_sum, skipped = torch.stack([loss_sum, skipped]).tolist()  # the host sync at the end
+    loss_scale = scaler.get_scale() if scaler.is_enabled() else None  # with a scaler, a second
     return {"loss": loss_sum / samples if samples else float("nan"), "steps": steps,
             "skipped_steps": int(skipped), "samples": samples,
-            "seconds": time.perf_counter() - start,
-            "loss_scale": scaler.get_scale() if scaler.is_enabled() else None}
+            "seconds": time.perf_counter() - start, "loss_scale": loss_scale}
 
 
 @torch.inference_mode()
@@ -219,9 +219,9 @@ def init_distributed(device):
     job = store.compare_set("amp_train_job", "", os.urandom(16).hex()).decode()
     store = dist.PrefixStore(f"round{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     # A bounded wait: a process whose peer died raises instead of hanging.
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=world_size, timeout=DIST_TIMEOUT,
-                            device_id=device if device.type == "cuda" else None)
+    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=DIST_TIMEOUT, device_id=device_id)
     return job
 
 
@@ -365,9 +365,8 @@ def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
 # -------------------- the run folder
 
 def open_run_dir(folder, resume, job, example):
-    """Takes the run folder: returns it locked (the kernel lets go when the process dies) and the
-    checkpoint to go on from, or None. Only --resume, or a torchrun restart of the job that saved
-    it, goes on with a checkpoint."""
+    """Takes the run folder, locked (the kernel lets go when the process dies): returns the lock
+    and the checkpoint to go on from, or None."""
     if resume and not os.path.isdir(folder):
         raise UsageError(f"there is no run in {folder}: run without --resume to start one")
     try:
@@ -425,9 +424,11 @@ def replace_file(path, write):
             f.flush()
             os.fsync(fd)  # on the disk before the rename: a power loss leaves the old or the new
         os.replace(tmp, path)
-    except BaseException:  # a full disk, Ctrl-C: no half-written PATH.tmp stays behind
+    except BaseException as e:  # a full disk, Ctrl-C: no half-written PATH.tmp stays behind
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # in an append-only folder this fails, and its error names the file
+        if isinstance(e, RuntimeError) and e.__context__ is not None:
+            raise e.__context__ from None  # torch.save wraps what stopped it: a signal, a full disk
         raise
 
 
@@ -437,12 +438,10 @@ def writing(folder):
     try:
         yield
     except (OSError, RuntimeError) as e:  # torch.save reports some failures as a RuntimeError
-        raise UsageError(f"could not write in {folder} ({os_error(e)}); {kept(folder)}") from None
+        raise UsageError(f"could not write in {folder} ({os_error(e)}); {holds(folder)}") from None
 
 
 def os_error(e):
-    if not isinstance(e, OSError) and isinstance(e.__context__, OSError):
-        e = e.__context__  # torch.save wraps a full disk in a RuntimeError
     text = getattr(e, "strerror", None) or str(e)
     if getattr(e, "filename", None):
         text += f": {e.filename}"
@@ -522,17 +521,13 @@ def restore(state, model, optimizer, scaler):
                          "start again in another --run-dir") from None
 
 
-def save_checkpoint(folder, state):
-    replace_file(os.path.join(folder, "checkpoint.pt"), lambda f: torch.save(state, f))
-
-
 def write_metrics(folder, lines):
     """Writes metrics.jsonl whole, from a checkpoint's lines and those since: never read back."""
     text = "".join(map(str, lines))
     replace_file(os.path.join(folder, "metrics.jsonl"), lambda f: f.write(text.encode()))
 
 
-def kept(folder):
+def holds(folder):
     """What the run folder holds, read from it: the last words of a run that stops."""
     if folder is None:
         return "nothing is saved without --run-dir"
@@ -607,7 +602,7 @@ def run_training(args, device, state=None, notes=(), job=None):
     optimizer = make_optimizer(model, args.lr)
     scaler = make_scaler(device, amp_dtype)
     # The linear example's one fixed batch is shared out; resnet's batch is per process.
-    batch = math.ceil(args.batch_size / world_size) if linear else args.batch_size
+    local_batch = args.batch_size // world_size if linear else args.batch_size
     global_batch = args.batch_size if linear else args.batch_size * args.accum_steps * world_size
     start_epoch, notes, metrics = 0, list(notes), []  # metrics: the metrics file's lines
     if state is not None:
@@ -624,26 +619,28 @@ def run_training(args, device, state=None, notes=(), job=None):
     if args.max_steps:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     accumulated = f" x {args.accum_steps} accumulated" if args.accum_steps > 1 else ""
+    data = "one batch" if linear else args.data
     log(f"amp_train | example {args.example} | torch {torch.__version__} | device "
         f"{device_label(device)} | precision {args.precision} | scaler "
-        f"{'on' if scaler.is_enabled() else 'off'} | data {'one batch' if linear else args.data} | "
-        f"batch {batch}{accumulated} | processes {world_size} | global batch {global_batch} | "
-        f"epochs {args.epochs} | steps/epoch {steps_per_epoch}")
+        f"{'on' if scaler.is_enabled() else 'off'} | data {data} | batch {local_batch}{accumulated}"
+        f" | processes {world_size} | global batch {global_batch} | epochs {args.epochs} | "
+        f"steps/epoch {steps_per_epoch}")
     for note in notes:
         log(note)
     if start_epoch >= args.epochs:
         log(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
         return 0
 
-    def checkpoint(epoch):  # all a resumed run needs to go on as if it never stopped
-        return {"format": CHECKPOINT_FORMAT, "example": args.example, "epoch": epoch, "job": job,
-                "processes": world_size, "args": {key: getattr(args, key) for key in RUN_FLAGS},
-                "metrics": metrics, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict()["state"], "scaler": scaler.state_dict()}
+    def save(epoch):  # all a resumed run needs to go on as if it never stopped
+        state = {"format": CHECKPOINT_FORMAT, "example": args.example, "epoch": epoch, "job": job,
+                 "processes": world_size, "args": {key: getattr(args, key) for key in RUN_FLAGS},
+                 "metrics": metrics, "model": model.state_dict(),
+                 "optimizer": optimizer.state_dict()["state"], "scaler": scaler.state_dict()}
+        replace_file(os.path.join(args.run_dir, "checkpoint.pt"), lambda f: torch.save(state, f))
     if args.run_dir is not None and rank == 0:  # each write is tried before the first epoch
         with writing(args.run_dir):
             write_metrics(args.run_dir, metrics)
-            save_checkpoint(args.run_dir, checkpoint(start_epoch))
+            save(start_epoch)
     skipped_in_a_row = 0
     for epoch in range(start_epoch, args.epochs):
         train_loader.set_epoch(epoch)  # the order and the crops depend on (seed, epoch) alone
@@ -669,13 +666,13 @@ def run_training(args, device, state=None, notes=(), job=None):
             with writing(args.run_dir):
                 write_metrics(args.run_dir, metrics)
                 if problem is None:
-                    save_checkpoint(args.run_dir, checkpoint(epoch + 1))
+                    save(epoch + 1)
         if stop:
-            log(f"error: epoch {epoch + 1}: {problem}; {kept(args.run_dir)}; "
+            log(f"error: epoch {epoch + 1}: {problem}; {holds(args.run_dir)}; "
                 "try a lower --lr or --clip-grad-norm", sys.stderr)
             return 1
         if problem:
-            log(f"note: epoch {epoch + 1} is not saved, {problem}; {kept(args.run_dir)}")
+            log(f"note: epoch {epoch + 1} is not saved, {problem}; {holds(args.run_dir)}")
     return 0
 
 
@@ -726,9 +723,10 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_ST
         torch.cuda.reset_peak_memory_stats(device)
     timed = [step() for _ in range(steps)]
     seconds = [stats["seconds"] for stats in timed]
-    return {**saved, "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-            # Reserved memory is what the caching allocator holds, and what runs out.
-            "reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+    peaks = (None, None)
+    if cuda:  # reserved memory is what the caching allocator holds, and what runs out
+        peaks = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return {**saved, "peak_bytes": peaks[0], "reserved_bytes": peaks[1],
             "step_seconds": statistics.median(seconds), "step_seconds_min": min(seconds),
             "step_seconds_max": max(seconds), "final_loss": timed[-1]["loss"]}
 
@@ -863,7 +861,7 @@ def main(argv=None):
     except Stopped as e:  # Ctrl-C or SIGTERM: one line, and what the run folder holds
         if rank_and_world()[0] == 0:
             word = "interrupted" if e.args[0] == signal.SIGINT else "terminated"
-            say(f"error: {word}; {kept(run_dir)}", sys.stderr)
+            say(f"error: {word}; {holds(run_dir)}", sys.stderr)
         return 128 + e.args[0]
     except RuntimeError as e:
         if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
@@ -873,13 +871,13 @@ def main(argv=None):
         if not dist.is_initialized() or not (isinstance(e, dist.DistError) or "gloo" in str(e)):
             raise
         # Mostly a peer that died or hung (gloo raises plain RuntimeErrors): torchrun restarts
-        where = f"; {kept(run_dir)}" if rank_and_world()[0] == 0 else ""
+        where = f"; {holds(run_dir)}" if rank_and_world()[0] == 0 else ""
         say(f"error: the process group failed ({str(e).splitlines()[0][:200]}){where}", sys.stderr)
         return 3
     except OSError as e:  # stdout closed by its reader (| head) or full (> /dev/full)
         with contextlib.suppress(Exception):  # what stdout still holds goes nowhere at exit
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        say(f"error: {os_error(e)}; {kept(run_dir)}", sys.stderr)
+        say(f"error: {os_error(e)}; {holds(run_dir)}", sys.stderr)
         return 2
     finally:
         if lock is not None:

@@ -1035,7 +1035,7 @@ def inside_a_runtime_error(error):
     """What torch.save raised on a full tmpfs: the OSError, then a RuntimeError from its zip writer's exit."""
     try:
         raise error
-    except OSError:
+    except BaseException:
         try:
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 15904128 vs 15904024")
         except RuntimeError as wrapped:
@@ -1049,17 +1049,29 @@ def inside_a_runtime_error(error):
 def test_a_failed_save_leaves_the_last_checkpoint_intact_and_names_the_cause(error, says, tmp_path, monkeypatch,
                                                                               capsys):
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(tmp_path)]) == 0
-    before = files_of(tmp_path)
+    before, full = files_of(tmp_path), "No space" in str(error) + str(error.__context__)
     def disk_full(obj, f):
         f.write(b"half a checkpoint")
         raise error
     monkeypatch.setattr(amp_train.torch, "save", disk_full)
     err = run_bad(LINEAR_FP16 + ["--epochs", "3", "--run-dir", str(tmp_path), "--resume"], capsys)
     assert says in err and f"{tmp_path} holds epoch 1" in err, err
-    assert ("free some space" in err) == ("No space" in str(error) + str(error.__context__)), err
+    assert ("free some space" in err) == full, err
     assert "epoch 2/3" not in capsys.readouterr().out, "the failure must come before training"
     assert files_of(tmp_path)["checkpoint.pt"] == before["checkpoint.pt"], "the last good checkpoint was changed"
     assert not list(tmp_path.glob("*.tmp")), "the half-written temporary file was left behind"
+
+
+def test_a_signal_inside_torch_save_ends_the_run_as_a_signal_does(tmp_path, monkeypatch, capsys):
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(tmp_path)]) == 0
+    before = files_of(tmp_path)
+    def terminated_mid_save(obj, f):  # as torch.save on SIGTERM: its zip writer's exit wraps the signal
+        f.write(b"half a checkpoint")
+        raise inside_a_runtime_error(amp_train.Stopped(signal.SIGTERM))
+    monkeypatch.setattr(amp_train.torch, "save", terminated_mid_save)
+    assert amp_train.main(LINEAR_FP16 + ["--epochs", "3", "--run-dir", str(tmp_path), "--resume"]) == 143
+    assert capsys.readouterr().err == f"error: terminated; {tmp_path} holds epoch 1\n"
+    assert files_of(tmp_path) == before and not list(tmp_path.glob("*.tmp"))
 
 
 def test_an_interrupted_write_leaves_the_old_file_and_no_tmp(tmp_path):
@@ -1174,7 +1186,7 @@ def test_a_denormal_lr_then_a_new_lr_trains_at_the_new_lr(tmp_path, capsys):
 def test_a_checkpoint_in_torchs_old_format_resumes_and_the_stop_line_reads_it(tmp_path, capsys):
     a_linear_run(tmp_path / "checkpoint.pt")
     torch.save(load(tmp_path / "checkpoint.pt"), tmp_path / "checkpoint.pt", _use_new_zipfile_serialization=False)
-    assert f"{tmp_path} holds epoch 1" == amp_train.kept(str(tmp_path))
+    assert f"{tmp_path} holds epoch 1" == amp_train.holds(str(tmp_path))
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path), "--resume"]) == 0
 
 
