@@ -1,22 +1,31 @@
-"""AMP training with torch.amp, as its docs describe it: the programs of the blog post "AMP Tensor
-Cores: saving memory in PyTorch models", fixed, for a CUDA GPU or the CPU.
+"""AMP training with torch.amp, as its docs describe it: the programs of the blog post
+"AMP Tensor Cores: saving memory in PyTorch models", fixed, for a CUDA GPU or the CPU.
 
-    python amp_train.py --example linear   # the post's Linear(10, 1): 100 steps on one batch
+    python amp_train.py --example linear   # the post's Linear(10, 1): 100 steps, one batch
     python amp_train.py --example resnet   # ResNet18 on CIFAR-10 (--data synthetic: offline)
     python amp_train.py --example memory   # fp32 and AMP side by side: memory and step time
     torchrun --nproc_per_node=2 amp_train.py --example resnet   # DDP, one GPU per process
 
 train_epoch, first below, is the part to copy.
 """
-import argparse, contextlib, copy, datetime, errno, fcntl, gc, io, itertools, json, math, os
-import signal, stat, statistics, sys, time
-
-if __name__ == "__main__":  # torch takes seconds to import: a signal meanwhile ends on one line
-    def stop_while_starting(signum, frame):
-        os.write(2, b"error: stopped while starting; nothing was changed\n")
-        os._exit(128 + signum)
-    signal.signal(signal.SIGINT, stop_while_starting)
-    signal.signal(signal.SIGTERM, stop_while_starting)
+import argparse
+import contextlib
+import copy
+import datetime
+import fcntl
+import gc
+import io
+import itertools
+import json
+import math
+import os
+import signal
+import stat
+import statistics
+import sys
+import threading
+import time
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -24,21 +33,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs.
-EPOCHS, BATCH_SIZE, LR, LR_STEP_EPOCHS, LR_GAMMA = 100, 128, 0.01, 10, 0.1
+EPOCHS = 100
+BATCH_SIZE = 128
+LR = 0.01
+LR_STEP_EPOCHS = 10
+LR_GAMMA = 0.1
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
-# The flags that define a run: a resumed run keeps the checkpoint's, unless they are given again.
-RUN_FLAGS = ("precision", "epochs", "batch_size", "lr", "data", "max_steps", "clip_grad_norm",
-             "accum_steps", "seed")
-CHECKPOINT_FORMAT = "amp_train checkpoint 3"
-CHECKPOINT_FIELDS = {"example": str, "job": (str, type(None)), "epoch": int, "processes": int,
-                     "args": dict, "metrics": list, "model": dict, "optimizer": dict,
-                     "scaler": dict}
-# fp16 stops once the scaler skipped every step of whole epochs, this many at least: 32 halvings
-# take the scale from 2**16 to 2**-16, so the gradients are inf/NaN, not merely large.
-SKIPPED_IN_A_ROW_TO_STOP = 32
-DIST_TIMEOUT = datetime.timedelta(minutes=10)  # NCCL's default: room for a CIFAR-10 download
-CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-MEMORY_STEPS, MEMORY_WARMUP_STEPS = 20, 3
+# The flags that define a run: a resumed run keeps the checkpoint's unless given again.
+RUN_FLAGS = ("epochs", "precision", "batch_size", "lr", "data", "max_steps",
+             "clip_grad_norm", "accum_steps", "seed")
+CHECKPOINT_FORMAT = "amp_train checkpoint 4"
+CHECKPOINT_FIELDS = {"format": (str,), "example": (str,), "job": (str, type(None)),
+                     "epoch": (int,), "args": (dict,), "metrics": (list,),
+                     "model": (dict,), "optimizer": (dict,), "loss_scale": (float,),
+                     "growth_tracker": (int,)}
+MAX_CHECKPOINT_BYTES = 2**30  # ResNet18's, with SGD's momentum, takes 90 MB
+# fp16 stops when the scale falls below this, 32 halvings under its start of 2**16: the
+# gradients overflow however small the loss is made.
+MIN_LOSS_SCALE = 2.0**-16
+DIST_TIMEOUT = datetime.timedelta(minutes=10)  # NCCL's default: room for a download
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+MEMORY_STEPS = 20
+MEMORY_WARMUP_STEPS = 3
+NOISY_SPREAD = 1.3  # the slowest timed step over the fastest, beyond which timings are noisy
 PROGRESS_SECONDS = 15  # longer epochs print a progress line this often
 
 
@@ -46,124 +64,125 @@ PROGRESS_SECONDS = 15  # longer epochs print a progress line this often
 
 def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, *,
                 scheduler=None, clip_grad_norm=None, accum_steps=1, max_steps=None,
-                log_seconds=None):
-    """Trains `model` for one pass over `loader` with AMP; returns what it measured, as a dict.
-
-    Needs `import contextlib, itertools, time, torch`. loader: any iterable of (inputs, targets).
-    amp_dtype: torch.bfloat16 on the CPU; torch.float16 on CUDA, with a GradScaler; None: fp32.
-    scheduler: stepped after every optimizer step, also one the scaler skipped (as in the
-    torch.amp docs). accum_steps=K: a step per K micro-batches, with their mean gradient (a
-    shorter last group: its own). max_steps counts optimizer steps. log_seconds: a progress line
-    at most this often. Host syncs: one at the end (two with a scaler), one per progress line
-    and, with fp16 and a plain (not fused) optimizer, one per step.
-    """
+                log_seconds=float("inf")):
+    """One pass over `loader`'s (inputs, targets) with AMP as in the torch.amp docs, plus
+    accumulation and a skipped-step count; amp_dtype: bfloat16, float16 (with a GradScaler)
+    or None. scheduler: stepped after every step, skipped or not (our choice: checking syncs).
+    Returns {"loss", "steps", "skipped_steps", "samples", "seconds", "loss_scale"}."""
     device = torch.device(device)
-    if scaler is None:
-        scaler = torch.amp.GradScaler(device.type, enabled=False)  # passes every call through
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)  # passes through
+    if amp_dtype == torch.float16 and not scaler.is_enabled():
+        raise ValueError("float16 needs loss scaling: pass torch.amp.GradScaler(device.type)")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be 1 or more, not {accum_steps}")
     model.train()
-    loss_sum = torch.zeros((), device=device)  # summed on the device: no .item() per step
-    skipped = torch.zeros((), device=device)
+    loss_sum, skipped = torch.zeros(2, device=device)  # summed there: no .item() per step
     steps = samples = 0
     start = last_log = time.perf_counter()
     batches = iter(loader)
     while steps != max_steps and (group := list(itertools.islice(batches, accum_steps))):
+        optimizer.zero_grad(set_to_none=True)  # no gradient from before reaches this step
         for i, batch in enumerate(group):
-            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-                raise TypeError(f"a batch must be an (inputs, targets) pair, not {type(batch)}")
+            if not isinstance(batch, (tuple, list)):
+                raise TypeError(f"{type(batch)} is no (inputs, targets) pair: see README")
             inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
-            # DDP all-reduces the gradients in backward: in the group's last, not under no_sync.
-            sync = i == len(group) - 1 or not hasattr(model, "no_sync")
-            with contextlib.nullcontext() if sync else model.no_sync():
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    loss = criterion(model(inputs), targets)  # autocast: forward and loss only
-                scaler.scale(loss / len(group)).backward()  # scaled: small fp16 gradients live
-            loss_sum += loss.detach().float() * len(targets)
+            no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP all-reduces
+            with no_sync() if i < len(group) - 1 else contextlib.nullcontext():  # at the last
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
+                    loss = criterion(model(inputs), targets)  # forward and loss only
+                scaler.scale(loss / len(group)).backward()  # scaled: small fp16 grads live
+            loss_sum += loss.detach().float() * len(targets) if len(targets) else 0.0
             samples += len(targets)
         if clip_grad_norm is not None:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         scaler.step(optimizer)  # skips the step if a gradient is inf/NaN
-        if scaler.is_enabled():  # found_inf, left on the device: torch's public reads of it sync
+        if scaler.is_enabled():  # found_inf stays on the device: the public reads sync
             found = scaler._found_inf_per_device(optimizer).values()
             skipped += sum(found_inf.to(device) for found_inf in found) > 0
-        scaler.update()  # halves the scale after a skip, doubles it after 2000 steps without one
-        optimizer.zero_grad(set_to_none=True)  # frees the gradients instead of writing zeros
+        scaler.update()  # halves the scale after a skip, doubles it after 2000 clean steps
         if scheduler is not None:
             scheduler.step()
         steps += 1
-        if log_seconds is not None and time.perf_counter() - last_log >= log_seconds:
+        if time.perf_counter() - last_log >= log_seconds:
             last_log = time.perf_counter()  # .item() is a host sync: once a line
             print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
                   f"{samples / (last_log - start):.0f} samples/s", flush=True)
     loss_sum, skipped = torch.stack([loss_sum, skipped]).tolist()  # the host sync at the end
-    loss_scale = scaler.get_scale() if scaler.is_enabled() else None  # with a scaler, a second
-    return {"loss": loss_sum / samples if samples else float("nan"), "steps": steps,
-            "skipped_steps": int(skipped), "samples": samples,
-            "seconds": time.perf_counter() - start, "loss_scale": loss_scale}
+    return {"loss": loss_sum / (samples or float("nan")), "steps": steps, "samples": samples,
+            "skipped_steps": int(skipped), "seconds": time.perf_counter() - start,
+            "loss_scale": scaler.get_scale()}  # 1.0 when disabled
 
 
 @torch.inference_mode()
 def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
     """Mean loss per sample, accuracy (argmax == target) and samples of `loader`'s first
-    max_steps batches, under autocast. Needs `import itertools, torch`."""
+    max_steps batches, under autocast; NaN if no sample. Needs `import itertools, torch`."""
     device = torch.device(device)
     model.eval()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device)
     samples = 0
-    for batch in itertools.islice(loader, max_steps):
-        inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+    for inputs, targets in itertools.islice(loader, max_steps):
+        inputs, targets = inputs.to(device), targets.to(device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
             outputs = model(inputs)
             loss_sum += criterion(outputs, targets).float() * len(targets)
         correct += (outputs.argmax(dim=1) == targets).sum()
         samples += len(targets)
     loss_sum, correct = torch.stack([loss_sum, correct]).tolist()
-    return {"loss": loss_sum / max(samples, 1), "accuracy": correct / max(samples, 1),
-            "samples": samples}
+    measured = samples or float("nan")
+    return {"loss": loss_sum / measured, "accuracy": correct / measured, "samples": samples}
+
+
+# -------------------- errors and signals
+
+class UsageError(Exception):
+    """A mistake the user can fix: main() prints it as one line and exits 2."""
+    status = 2
+
+
+class GroupError(UsageError):
+    """The processes could not meet: one line, exit 3."""
+    status = 3
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised by stop() (a plain KeyboardInterrupt passes main())."""
+
+
+def stop(signum, frame):
+    """The handler __main__ installs: a second signal cannot break the cleanup."""
+    ignore_signals()
+    raise Stopped(signum)
+
+
+def ignore_signals():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def say(line, file=None):
+    print(line, file=file, flush=True)
 
 
 # -------------------- device, precision, processes
 
-class UsageError(Exception):
-    """A mistake the user can fix: main() prints it as one line and exits 2."""
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM, from the handler __main__ installs (a plain KeyboardInterrupt, as
-    under pytest, passes main())."""
-
-    @staticmethod
-    def handler(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one stop: a second signal cannot break
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup or the last line
-        raise Stopped(signum)
-
-
-def say(line, file=None):
-    """Prints a line in one write, flushed; control characters and bad bytes in a file name are
-    escaped."""
-    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
-    print(line + "\n", end="", file=file, flush=True)
-
-
 def resolve_device(name):
-    """cuda for 'auto' if a GPU is visible; under torchrun GPU LOCAL_RANK, or the one it sees."""
+    """cuda for 'auto' if a GPU is visible; under torchrun, GPU LOCAL_RANK."""
     if name == "cpu" or name == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu")
-    count = torch.cuda.device_count()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    own_gpu = "CUDA_VISIBLE_DEVICES" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
-    if local_rank >= count and (count > 1 or not own_gpu):  # torchrun shows each process all GPUs
-        raise UsageError(f"process {local_rank} has no GPU of its own: "
-                         f"start at most --nproc_per_node={count}")
-    return torch.device("cuda", min(local_rank, count - 1))
+    if local_rank >= torch.cuda.device_count():  # two processes on one GPU: slow, or OOM
+        raise UsageError(f"process {local_rank} has no GPU of its own: start at most "
+                         f"--nproc_per_node={torch.cuda.device_count()}")
+    return torch.device("cuda", local_rank)
 
 
 def cpu_bf16():
-    """The CPU's bf16 instructions: AMX, AVX512-BF16 or none (then bf16 is emulated, and slow)."""
+    """The CPU's bf16 instructions: AMX, AVX512-BF16 or none (then bf16 is emulated)."""
     # torch names these privately only; a test checks them against /proc/cpuinfo.
     if torch.cpu._is_amx_tile_supported():
         return "AMX"
@@ -174,26 +193,31 @@ def device_label(device):
     return f"{device} (bf16: {cpu_bf16()})" if device.type == "cpu" else str(device)
 
 
-def resolve_precision(name, device):
-    """fp16, bf16 or fp32: 'auto' is fp16 on CUDA (with a GradScaler), bf16 on the CPU."""
+def resolve_precision(name, device, example):
+    """fp16, bf16 or fp32. auto: fp16 (with a GradScaler) on CUDA; bf16 on a CPU with bf16
+    instructions, else fp32; the memory example, which compares, takes bf16 on any CPU."""
     cuda = device.type == "cuda"
     if name == "auto":
-        name = "fp16" if cuda else "bf16"
-    if name == "bf16" and cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
+        on_cpu = "bf16" if cpu_bf16() != "none" or example == "memory" else "fp32"
+        return "fp16" if cuda else on_cpu
+    if name == "bf16" and cuda and not torch.cuda.is_bf16_supported(False):
         raise UsageError("this GPU does not support bfloat16: use --precision fp16 or fp32")
     return name
 
 
-def warn_if_slow(args, device):
-    """Warns, on rank 0, when ResNet18 will train slowly in this precision on this CPU."""
-    if device.type != "cpu" or "linear" in (args.example, args.model) or rank_and_world()[0]:
-        return
+def cpu_notes(args, device):
+    """What AMP costs on this CPU: lines for the header."""
+    notes = []
+    if device.type != "cpu":
+        return notes
     if args.precision == "fp16":
-        say("warning: fp16 convolutions are very slow on CPUs: --precision bf16 (with AMX or "
-            "AVX512-BF16) or fp32 is faster", sys.stderr)
-    if args.precision == "bf16" and cpu_bf16() == "none":
-        say("warning: this CPU has no bf16 instructions (AMX, AVX512-BF16): bf16 is emulated, "
-            "slower than fp32 here", sys.stderr)
+        notes.append("warning: fp16 is very slow on CPUs: --precision bf16 (with AMX or "
+                     "AVX512-BF16) or fp32 is faster")
+    if cpu_bf16() == "none":
+        notes.append("note: this CPU has no bf16 instructions (AMX, AVX512-BF16): bf16 is "
+                     "emulated, slower than fp32, so --precision auto is fp32 here "
+                     "(--precision bf16 forces bf16)")
+    return notes
 
 
 def make_scaler(device, amp_dtype):
@@ -207,22 +231,43 @@ def make_optimizer(model, lr):
 
 
 def init_distributed(device):
-    """Under torchrun, joins its process group (NCCL, or gloo on CPUs); returns the job's name."""
-    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+    """Under torchrun, meets the other processes and joins their group (NCCL, or gloo on
+    CPUs); returns the job's name, or None without torchrun."""
+    if "WORLD_SIZE" not in os.environ:
         return None
-    try:
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=DIST_TIMEOUT))
-    except ValueError as e:  # MASTER_ADDR, MASTER_PORT or RANK is missing
-        raise UsageError(f"{e}: start with torchrun, or unset WORLD_SIZE and RANK") from None
-    # torchrun keeps its store over restarts: the first process names the job, restarts find
-    # the name. Each round gets keys of its own (the last round's hung gloo).
+    store, rank, world_size = wait_for_peers()
+    # torchrun keeps its store over restarts: the first process names the job, restarts
+    # find the name. Each round gets keys of its own (the last round's hung gloo).
     job = store.compare_set("amp_train_job", "", os.urandom(16).hex()).decode()
-    store = dist.PrefixStore(f"round{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    # A bounded wait: a process whose peer died raises instead of hanging.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"round{restart}", store)
     backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    # A bounded wait: a process whose peer died raises instead of hanging.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=DIST_TIMEOUT, device_id=device_id)
     return job
+
+
+def wait_for_peers():
+    """torch's env:// rendezvous: (store, rank, world size). It waits in C++, where no signal
+    reaches Python, so it runs in a helper thread while this one waits, signals let in."""
+    met = []  # what the rendezvous returned or raised
+
+    def meet():
+        try:
+            met.append(next(dist.rendezvous("env://", timeout=DIST_TIMEOUT)))
+        except Exception as e:
+            met.append(e)
+    thread = threading.Thread(target=meet, daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if isinstance(met[0], ValueError):  # MASTER_ADDR, MASTER_PORT or RANK is missing
+        raise UsageError(f"{met[0]}: start with torchrun, or unset WORLD_SIZE and RANK")
+    if isinstance(met[0], Exception):  # the port in use, or a timeout: torch names it
+        raise GroupError(f"the processes could not meet ({str(met[0]).splitlines()[0]}): "
+                         "start them all, with a free MASTER_PORT")
+    return met[0]
 
 
 def rank_and_world():
@@ -234,7 +279,7 @@ def rank_and_world():
 def resnet18(imagenet_stem=False):
     """torchvision's ResNet18 for 10 classes, with the CIFAR stem (a 3x3 stride-1 conv, no
     max-pool); the post's ImageNet stem shrinks 32x32 images to 8x8 before layer1."""
-    import torchvision  # here, not at the top: it takes seconds, and the linear example needs none
+    import torchvision  # here: it takes seconds to import, and the linear example needs none
     model = torchvision.models.resnet18(num_classes=10)  # the post's had 1000 classes
     if not imagenet_stem:
         model.conv1 = nn.Conv2d(3, 64, 3, padding=1, bias=False)
@@ -243,12 +288,13 @@ def resnet18(imagenet_stem=False):
 
 
 class DeviceLoader:
-    """(inputs, targets) batches of tensors held on the device: no worker, no copy per batch.
-    Each process takes a shard: with `shuffle`, equal ones of whole batches (BatchNorm breaks on
-    one sample); else every sample once. Order and crops depend on (seed, epoch) alone."""
+    """(inputs, targets) batches of tensors held on the device: no worker, no copy per
+    batch. Each process takes a shard: with `shuffle`, equal ones of whole batches
+    (BatchNorm breaks on one sample); else every sample once. Order and crops depend on
+    (seed, epoch) alone."""
 
-    def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False, seed=0,
-                 rank=0, world_size=1):
+    def __init__(self, inputs, targets, batch_size, device, transform=lambda x, _: x,
+                 shuffle=False, seed=0, rank=0, world_size=1):
         self.inputs, self.targets = inputs.to(device), targets.to(device)
         self.batch_size, self.transform, self.shuffle = batch_size, transform, shuffle
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
@@ -264,7 +310,8 @@ class DeviceLoader:
     def __iter__(self):
         n, device = len(self.targets), self.targets.device
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32  # a generator keeps 32 bits
-        augment = torch.Generator(device).manual_seed((seed + 7919 * (self.rank + 1)) % 2**32)
+        augment = torch.Generator(device)
+        augment.manual_seed((seed + 7919 * (self.rank + 1)) % 2**32)
         order = torch.arange(n)
         if self.shuffle:  # one permutation for all processes, drawn on the CPU: any GPU agrees
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
@@ -272,40 +319,40 @@ class DeviceLoader:
         order = order[self.rank::self.world_size].to(device)
         for start in range(0, len(order), self.batch_size):
             index = order[start:start + self.batch_size]
-            inputs = self.inputs[index]
-            if self.transform is not None:
-                inputs = self.transform(inputs, augment)
-            yield inputs, self.targets[index]
+            yield self.transform(self.inputs[index], augment), self.targets[index]
 
 
 def random_crop_flip(images, generator):
-    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, for a batch at once."""
+    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, for a whole batch."""
     n, device = len(images), images.device
     padded = F.pad(images, (4, 4, 4, 4))
     dy, dx = torch.randint(0, 9, (2, n, 1), generator=generator, device=device)
     mirror = torch.rand(n, 1, generator=generator, device=device) < 0.5
     base = torch.arange(32, device=device)
     rows = (dy + base)[:, None, :, None].expand(n, 3, 32, 40)
-    cols = (dx + torch.where(mirror, 31 - base, base))[:, None, None, :].expand(n, 3, 32, 32)
-    return padded.gather(2, rows).gather(3, cols)
+    cols = (dx + torch.where(mirror, 31 - base, base))[:, None, None, :]
+    return padded.gather(2, rows).gather(3, cols.expand(n, 3, 32, 32))
 
 
 def cifar10_transform(device, augment):
-    """uint8 -> normalized float images, cropped and flipped if `augment`, channels_last (the
-    layout tensor cores and oneDNN convolve in)."""
+    """uint8 -> normalized float images, cropped and flipped if `augment`, channels_last
+    (the layout tensor cores and oneDNN convolve in)."""
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(3, 1, 1) * 255
 
     def transform(images, generator):
-        images = random_crop_flip(images, generator) if augment else images
-        return ((images.float() - mean) / std).contiguous(memory_format=torch.channels_last)
+        if augment:
+            images = random_crop_flip(images, generator)
+        images = (images.float() - mean) / std
+        return images.contiguous(memory_format=torch.channels_last)
     return transform
 
 
 def synthetic_cifar10(size, seed=0, train=True):
-    """CIFAR-10-shaped uint8 images and labels to learn offline: a smooth pattern per class."""
+    """CIFAR-10-shaped uint8 images and labels to learn offline: a smooth pattern a class."""
     g = torch.Generator().manual_seed(seed)
-    patterns = F.interpolate(torch.randn(10, 3, 4, 4, generator=g), size=(32, 32), mode="bilinear")
+    patterns = torch.randn(10, 3, 4, 4, generator=g)
+    patterns = F.interpolate(patterns, size=(32, 32), mode="bilinear")
     g.manual_seed(seed * 2 + (1 if train else 2))
     labels = torch.randint(0, 10, (size,), generator=g)
     images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=g)
@@ -313,139 +360,136 @@ def synthetic_cifar10(size, seed=0, train=True):
 
 
 def cifar10(root):
-    """CIFAR-10's (train, test) uint8 images and labels, downloaded into `root` if missing by one
-    process per machine (two corrupt an archive): rank 0 first, as machines may share `root`."""
+    """CIFAR-10's (train, test) uint8 images and labels, downloaded into `root` if missing
+    by rank 0 alone while the others wait (two downloads corrupt an archive)."""
     import torchvision
-    rank, error = rank_and_world()[0], None
-    for my_turn in (rank == 0, rank != 0 and os.environ.get("LOCAL_RANK", "0") == "0"):
-        if my_turn:
-            try:
-                torchvision.datasets.CIFAR10(root, download=True)
-            except (OSError, RuntimeError) as e:
-                error = e
-        if dist.is_initialized():
-            dist.barrier()  # each turn ends when every process got there
+    if rank_and_world()[0] == 0:
+        with contextlib.suppress(OSError, RuntimeError):  # offline: the reading says so
+            torchvision.datasets.CIFAR10(root, download=True)
+    if dist.is_initialized():
+        dist.barrier()
     try:
         sets = [torchvision.datasets.CIFAR10(root, train=train) for train in (True, False)]
-    except (OSError, RuntimeError) as e:
-        raise UsageError(f"CIFAR-10 is not in {os.path.abspath(root)} and could not be downloaded "
-                         f"({error or e}): put cifar-10-python.tar.gz there, "
-                         "or run with --data synthetic") from None
+    except (OSError, RuntimeError):
+        raise UsageError(f"CIFAR-10 is not in {os.path.abspath(root)} and could not be "
+                         "downloaded: put cifar-10-python.tar.gz there, or use --data "
+                         "synthetic") from None
     return [(torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(s.targets))
             for s in sets]
 
 
 def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
-    """Model, loss, train and test loader (None for linear) of args.example, for one process."""
+    """Model, loss, train and test loader of args.example, for one process."""
     if args.example == "linear":  # the post's one fixed batch, seeded, shared out evenly
         if args.batch_size % world_size:  # else DDP's mean of the processes' means is skewed
-            raise UsageError(f"--batch-size {args.batch_size} does not share out evenly among "
-                             f"{world_size} processes")
+            raise UsageError(f"--batch-size {args.batch_size} does not share out evenly "
+                             f"among {world_size} processes")
         g = torch.Generator().manual_seed(args.seed)
         x = torch.randn(args.batch_size, 10, generator=g)
         y = torch.randn(args.batch_size, 1, generator=g)
         loader = DeviceLoader(x, y, args.batch_size, device, rank=rank, world_size=world_size)
-        return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, None
+        return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, []  # no test set
     if args.data == "synthetic":
         train = synthetic_cifar10(10_000, args.seed)
         test = synthetic_cifar10(2_000, args.seed, train=False)
     else:
         train, test = cifar10(args.data_root)
-    train_loader = DeviceLoader(*train, args.batch_size, device, cifar10_transform(device, True),
-                                shuffle=True, seed=args.seed, rank=rank, world_size=world_size)
+    shards = {"device": device, "rank": rank, "world_size": world_size}
+    train_loader = DeviceLoader(*train, args.batch_size, transform=cifar10_transform(device, True),
+                                shuffle=True, seed=args.seed, **shards)
     if len(train_loader) == 0:
         raise UsageError(f"--batch-size {args.batch_size} is more than each process's "
                          f"{len(train[1]) // world_size} training images: lower it")
-    test_loader = DeviceLoader(*test, args.batch_size, device, cifar10_transform(device, False),
-                               rank=rank, world_size=world_size)
+    test_loader = DeviceLoader(*test, args.batch_size, transform=cifar10_transform(device, False),
+                               **shards)
     model = resnet18(imagenet_stem).to(device, memory_format=torch.channels_last)
     return model, nn.CrossEntropyLoss(), train_loader, test_loader
 
 
 # -------------------- the run folder
 
-def open_run_dir(folder, resume, job, example):
-    """Takes the run folder, locked (the kernel lets go when the process dies): returns the lock
-    and the checkpoint to go on from, or None."""
-    if resume and not os.path.isdir(folder):
-        raise UsageError(f"there is no run in {folder}: run without --resume to start one")
+def open_run_dir(folder, resume, job):
+    """Takes the run folder, locked (the kernel lets go when the process dies): returns
+    the lock and the checkpoint to go on from, or None."""
     try:
-        os.makedirs(folder, exist_ok=True)
+        if not resume:
+            os.makedirs(folder, exist_ok=True)
         lock = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock)
-        raise UsageError(f"another run is using {folder}: wait for it to end, "
-                         "or pass another --run-dir") from None
     except OSError as e:
-        raise UsageError(f"--run-dir {folder}: {os_error(e)}: pass one you can write") from None
+        raise UsageError(f"cannot use --run-dir {folder} ({e}): pass another") from None
     try:
-        state = load_checkpoint(folder)
-        metrics = os.path.join(folder, "metrics.jsonl")
-        if state is not None and state["example"] != example:
-            raise UsageError(f"{folder} holds a run of the {state['example']} example: "
-                             f"pass --example {state['example']}")
-        owned = state is not None and job is not None and state["job"] == job  # torchrun restarted
-        if state is not None and not (resume or owned):
-            raise UsageError(f"{folder} holds a checkpoint: add --resume to go on with it, "
-                             "or pass another --run-dir")
-        if state is None and read_file(metrics):
-            raise UsageError(f"{folder} holds metrics but no checkpoint: delete {metrics} to "
-                             "start again there, or pass another --run-dir")
-        if state is None and resume:
-            raise UsageError(f"there is no checkpoint in {folder}: run without --resume")
-        return lock, state
-    except BaseException:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return lock, checkpoint_to_resume(folder, resume, job)
+    except BaseException as e:
         os.close(lock)
+        if isinstance(e, BlockingIOError):
+            raise UsageError(f"another run is using {folder}: wait for it to end, "
+                             "or pass another --run-dir") from None
         raise
 
 
-def read_file(path):
-    """The bytes of the regular file at `path`, or None; a link, folder or FIFO is a UsageError
-    (and O_NOFOLLOW, O_NONBLOCK: no link is followed, no FIFO can block)."""
-    if not os.path.lexists(path):
+def checkpoint_to_resume(folder, resume, job):
+    """The folder's checkpoint if this run may go on from it, else None or a UsageError."""
+    state = load_checkpoint(folder)
+    if state is None:
+        metrics = os.path.join(folder, "metrics.jsonl")
+        if resume:
+            raise UsageError(f"there is no checkpoint in {folder}: run without --resume")
+        if read_file(metrics):
+            raise UsageError(f"{folder} holds metrics but no checkpoint: delete {metrics} "
+                             "to start again there, or pass another --run-dir")
         return None
-    if not stat.S_ISREG(os.lstat(path).st_mode):
-        raise UsageError(f"{path} is not a regular file: pass another --run-dir")
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+    restarted = job is not None and state["job"] == job  # torchrun restarted this job
+    if not (resume or restarted):
+        raise UsageError(f"{folder} holds a checkpoint: add --resume to go on with it, "
+                         "or pass another --run-dir")
+    return state
+
+
+def read_file(path):
+    """The bytes of the regular file at `path`, or None if there is none. No link is
+    followed (O_NOFOLLOW), no FIFO blocks (O_NONBLOCK), no huge file is read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a link: ELOOP
+        raise UsageError(f"cannot read {path} ({e}): pass another --run-dir") from None
+    with open(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CHECKPOINT_BYTES:
+            raise UsageError(f"{path} is no file this program wrote: pass another --run-dir")
         return f.read()
 
 
 def replace_file(path, write):
-    """Writes a file whole or not at all: write(f) into PATH.tmp, made anew (no link followed),
-    flushed to the disk, then renamed over PATH."""
+    """Writes a file whole or not at all: write(f) into PATH.tmp, made anew (no link
+    followed), flushed to the disk, then renamed over PATH."""
     tmp = f"{path}.tmp"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
+    try:  # a signal may come as soon as the file exists
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with open(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(fd)  # on the disk before the rename: a power loss leaves the old or the new
+            os.fsync(fd)  # on the disk before the rename: a power loss leaves old or new
         os.replace(tmp, path)
-    except BaseException as e:  # a full disk, Ctrl-C: no half-written PATH.tmp stays behind
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # in an append-only folder this fails, and its error names the file
+    except BaseException as e:  # a full disk, Ctrl-C: no half-written PATH.tmp stays
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         if isinstance(e, RuntimeError) and e.__context__ is not None:
-            raise e.__context__ from None  # torch.save wraps what stopped it: a signal, a full disk
+            raise e.__context__ from None  # torch.save wraps what stopped it: a signal
         raise
 
 
 @contextlib.contextmanager
 def writing(folder):
-    """Turns a failed write in the run folder into one line: its cause, what the folder holds."""
+    """Turns a failed write in the run folder into one line: its cause, what it holds."""
     try:
         yield
-    except (OSError, RuntimeError) as e:  # torch.save reports some failures as a RuntimeError
-        raise UsageError(f"could not write in {folder} ({os_error(e)}); {holds(folder)}") from None
-
-
-def os_error(e):
-    text = getattr(e, "strerror", None) or str(e)
-    if getattr(e, "filename", None):
-        text += f": {e.filename}"
-    return text + ("; free some space" if getattr(e, "errno", 0) == errno.ENOSPC else "")
+    except (OSError, RuntimeError) as e:  # torch.save reports some failures so
+        raise UsageError(f"could not write in {folder} ({e}); {holds(folder)}") from None
 
 
 def load_checkpoint(folder):
@@ -455,76 +499,100 @@ def load_checkpoint(folder):
     if data is None:
         return None
     try:
-        # weights_only: a checkpoint is untrusted input, and loading it never runs pickled code.
+        # A checkpoint is untrusted input. A zip states each record's size, so what it
+        # unpacks to is bounded; weights_only runs no pickled code.
+        records = zipfile.ZipFile(io.BytesIO(data)).infolist()
+        if sum(record.file_size for record in records) > MAX_CHECKPOINT_BYTES:
+            raise ValueError("it unpacks to more than MAX_CHECKPOINT_BYTES")
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        fits = state["format"] == CHECKPOINT_FORMAT and all(
-            isinstance(state[key], kind) and type(state[key]) is not bool
-            for key, kind in CHECKPOINT_FIELDS.items())
-        fits = fits and state["example"] in ("resnet", "linear") and all_finite(state)
-    except Exception as e:  # truncated, not a torch file, not tensors and plain types, too deep
-        raise UsageError(f"{path} is not a readable checkpoint of amp_train.py "
-                         f"({type(e).__name__}): start again in another --run-dir") from None
-    if not fits:
-        raise UsageError(f"{path} is damaged, or of another version of amp_train.py: "
-                         "start again in another --run-dir")
+        check_checkpoint(state)
+    except Exception as e:  # not a zip, truncated, not tensors and plain types, too deep
+        raise UsageError(f"{path} is not a checkpoint of this amp_train.py "
+                         f"({type(e).__name__}: {str(e)[:100]}): start again in another "
+                         "--run-dir") from None
     return state
 
 
-def all_finite(state):
-    """False if a number in `state` is negative, inf or NaN, or a tensor holds inf/NaN."""
-    if isinstance(state, dict):
-        return all(all_finite(value) for value in state.values())
-    if isinstance(state, (list, tuple)):
-        return all(all_finite(value) for value in state)
-    if isinstance(state, (int, float)):
-        return 0 <= state < math.inf
-    return not torch.is_tensor(state) or not state.is_floating_point() or state.isfinite().all()
+def check_checkpoint(state):
+    """Raises ValueError unless `state` holds what save_run writes, known good."""
+    typed = all(type(state[key]) in kinds for key, kinds in CHECKPOINT_FIELDS.items())
+    if not (typed and state["format"] == CHECKPOINT_FORMAT
+            and len(state["metrics"]) == state["epoch"]  # one line an epoch
+            and state["loss_scale"] > 0 and known_good(state)):
+        raise ValueError("it is damaged, or of another version")
+
+
+def known_good(value):
+    """True if every number in `value` is finite and not negative, and every tensor is an
+    int64 one or a finite float32 one (the dtypes of the model and its optimizer)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return all(map(known_good, value))
+    if torch.is_tensor(value):
+        floats = value.dtype == torch.float32 and bool(value.isfinite().all())
+        return floats or value.dtype == torch.int64
+    return not isinstance(value, (int, float)) or 0 <= value < math.inf
 
 
 def resume_args(argv, state, device):
-    """The checkpoint's flags, replaced by those given again; a note for each change."""
+    """The checkpoint's flags, replaced by those given again, and a note for each."""
+    saved = [f"--{key.replace('_', '-')}={state['args'].get(key)}" for key in RUN_FLAGS]
     try:  # the checkpoint's flags pass the command line's checks, or the file is refused
-        saved = [f"--{key.replace('_', '-')}={state['args'][key]}" for key in RUN_FLAGS]
         before = parse_args(saved)
-    except (KeyError, UsageError) as e:
+    except UsageError as e:
         raise UsageError(f"the checkpoint holds flags this program refuses ({e}): "
                          "start again in another --run-dir") from None
     args = parse_args(saved + argv)
-    args.precision = resolve_precision(args.precision, device)
-    notes = []
-    for key in RUN_FLAGS:
-        value, old = getattr(args, key), getattr(before, key)
-        if value == old or key == "epochs" or key == "data" and args.example == "linear":
-            continue
-        if key == "data":
-            raise UsageError(f"the checkpoint was trained on --data {old}: resume on the same data")
-        notes.append(f"note: --{key.replace('_', '-')} {value} replaces the checkpoint's {old}")
-    return args, notes
+    args.precision = resolve_precision(args.precision, device, args.example)
+    changed = [key for key in RUN_FLAGS[1:] if getattr(args, key) != getattr(before, key)]
+    # RUN_FLAGS[1:]: all but --epochs, which a resumed run raises
+    if "data" in changed:
+        raise UsageError(f"the checkpoint was trained on --data {before.data}: resume on it")
+    notes = [f"note: --{key.replace('_', '-')} {getattr(args, key)} replaces the "
+             f"checkpoint's {getattr(before, key)}" for key in changed]
+    return args, notes + [f"resumed from {args.run_dir} after epoch {state['epoch']}"]
 
 
 def restore(state, model, optimizer, scaler):
-    """Loads a checkpoint's trained state in place, checked against the model: weights, the
-    optimizer's per-parameter state, the loss scale. Hyperparameters come from the flags."""
-    shapes = dict(enumerate(p.shape for p in model.parameters()))
+    """Loads a checkpoint's trained state in place, checked against the model: weights,
+    the optimizer's per-parameter state, the loss scale. Hyperparameters are the flags'."""
+    shapes = [p.shape for p in model.parameters()]
     try:
         model.load_state_dict(state["model"])  # another key or shape raises
-        for index, buffers in state["optimizer"].items():  # SGD's and Adam's are shaped as it
-            if any(torch.is_tensor(t) and t.shape != shapes[index] and key != "step"
-                   for key, t in buffers.items()):
+        for index, buffers in state["optimizer"].items():  # momentum, as its weight
+            if any(t.shape != shapes[index] for t in buffers.values()):  # else memory breaks
                 raise ValueError(f"optimizer state that does not fit parameter {index}")
         groups = optimizer.state_dict()["param_groups"]  # this run's lr, momentum
         optimizer.load_state_dict({"state": state["optimizer"], "param_groups": groups})
-        if scaler.is_enabled() and state["scaler"]:  # only fp16 to fp16 has a loss scale to keep
-            scaler.load_state_dict(state["scaler"])
-    except (AttributeError, KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise UsageError(f"the checkpoint does not fit this run ({' '.join(str(e).split())}): "
-                         "start again in another --run-dir") from None
+    except (AttributeError, IndexError, KeyError, RuntimeError, ValueError) as e:
+        raise UsageError(f"the checkpoint does not fit this run ({' '.join(str(e).split())}):"
+                         " start again in another --run-dir") from None
+    if state["args"]["precision"] == "fp16":  # a disabled scaler takes nothing
+        scaler.load_state_dict({**scaler.state_dict(), "scale": state["loss_scale"],
+                                "_growth_tracker": state["growth_tracker"]})
 
 
-def write_metrics(folder, lines):
-    """Writes metrics.jsonl whole, from a checkpoint's lines and those since: never read back."""
-    text = "".join(map(str, lines))
-    replace_file(os.path.join(folder, "metrics.jsonl"), lambda f: f.write(text.encode()))
+def save_run(args, job, metrics, model, optimizer, scaler, checkpoint=True):
+    """With --run-dir, on rank 0: writes the metrics file whole from `metrics` (never read
+    back: no line twice or torn) and the checkpoint of epoch len(metrics): all that a
+    resumed run needs."""
+    if args.run_dir is None or rank_and_world()[0] != 0:
+        return
+    scaler_state = scaler.state_dict()  # {} when disabled: bf16 and fp32 have no scale
+    state = {"format": CHECKPOINT_FORMAT, "example": args.example, "job": job,
+             "epoch": len(metrics),
+             "args": {key: getattr(args, key) for key in RUN_FLAGS},
+             "metrics": metrics, "model": dict(model.state_dict()),
+             "optimizer": optimizer.state_dict()["state"],
+             "loss_scale": scaler.get_scale(),  # 1.0 without fp16
+             "growth_tracker": scaler_state.get("_growth_tracker", 0)}
+    text = "".join(metrics).encode()
+    with writing(args.run_dir):
+        replace_file(os.path.join(args.run_dir, "metrics.jsonl"), lambda f: f.write(text))
+        if checkpoint:
+            path = os.path.join(args.run_dir, "checkpoint.pt")
+            replace_file(path, lambda f: torch.save(state, f))
 
 
 def holds(folder):
@@ -533,248 +601,235 @@ def holds(folder):
         return "nothing is saved without --run-dir"
     try:
         state = load_checkpoint(folder)
-    except (OSError, UsageError):
+    except UsageError:
         return f"{folder}'s checkpoint cannot be read"
     return f"{folder} holds epoch {state['epoch']}" if state else f"nothing was saved in {folder}"
 
 
 # -------------------- the training examples
 
-def epoch_problem(record, skipped_in_a_row, model):
-    """Why this epoch must not be saved, and whether the run must stop: (reason, stop), or (None,
-    False). A skipped fp16 step is the scaler at work, unless it skips all."""
-    tensors = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]
-               if t.is_floating_point()}
-    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()  # one sync
-    bad = next((name for name, ok in zip(tensors, finite) if not ok), None)
-    if bad:  # NaN weights, or BatchNorm statistics of an inf batch, stay NaN for good
-        return f"the model's {bad} holds inf/NaN", True
-    if skipped_in_a_row >= SKIPPED_IN_A_ROW_TO_STOP:
-        return f"the GradScaler skipped all of the last {skipped_in_a_row} steps (inf/NaN)", True
-    for name in ("train", "test"):
-        loss = record.get(f"{name}_loss", 0.0)
-        if not math.isfinite(loss):  # in fp16 the scaler skipped that step: the run goes on
-            stop = name == "train" and record["loss_scale"] is None
-            return f"its mean {name} loss is {loss} under {record['precision']}", stop
-    return None, False
-
-
-def epoch_record(args, epoch, lr, stats, model, test_loader, criterion, device, world_size):
-    """An epoch's metrics, summed over all processes."""
-    tested = {"loss": 0.0, "accuracy": 0.0, "samples": 0}
-    if test_loader is not None:
-        tested = evaluate(model, test_loader, criterion, device, PRECISIONS[args.precision],
-                          args.max_steps or None)
-    sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"],
-                         tested["loss"] * tested["samples"], tested["accuracy"] * tested["samples"],
-                         tested["samples"]], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-    loss_sum, samples, test_loss_sum, correct, test_samples = sums.tolist()
-    record = {"example": args.example, "precision": args.precision, "epoch": epoch + 1,
-              "train_loss": loss_sum / max(samples, 1)}
-    if test_loader is not None:
-        record.update(test_loss=test_loss_sum / test_samples, test_accuracy=correct / test_samples)
-    return {**record, "lr": lr, "loss_scale": stats["loss_scale"],
-            "skipped_steps": stats["skipped_steps"], "seconds": stats["seconds"],
-            "samples_per_second": samples / max(stats["seconds"], 1e-9), "processes": world_size}
-
-
-def epoch_line(record, epochs):
-    line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}"
-    line += f" | train loss {record['train_loss']:.4f}"
-    if "test_loss" in record:
-        line += f" | test loss {record['test_loss']:.4f}"
-        line += f" | test acc {100 * record['test_accuracy']:5.2f}%"
-    scale = "off" if record["loss_scale"] is None else f"{record['loss_scale']:g}"
-    return (f"{line} | lr {record['lr']:.4g} | scale {scale} | skipped {record['skipped_steps']} | "
-            f"{record['samples_per_second']:.0f} samples/s | {record['seconds']:.3f} s")
-
-
 def run_training(args, device, state=None, notes=(), job=None):
-    """The resnet and linear examples: train, evaluate, print and (with --run-dir) save each
-    epoch; returns 0, or 1 if training stopped on inf/NaN. Rank 0 alone prints and writes."""
+    """The resnet and linear examples: train, test, print and (with --run-dir) save each
+    epoch; returns 0, or 1 if training diverged. Rank 0 alone prints and writes."""
     rank, world_size = rank_and_world()
     log = say if rank == 0 else lambda line, file=None: None
-    amp_dtype, linear = PRECISIONS[args.precision], args.example == "linear"
+    amp_dtype = PRECISIONS[args.precision]
+    max_steps = args.max_steps or None  # 0: no limit
     torch.manual_seed(args.seed)
     model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
-    optimizer = make_optimizer(model, args.lr)
-    scaler = make_scaler(device, amp_dtype)
-    # The linear example's one fixed batch is shared out; resnet's batch is per process.
-    local_batch = args.batch_size // world_size if linear else args.batch_size
-    global_batch = args.batch_size if linear else args.batch_size * args.accum_steps * world_size
-    start_epoch, notes, metrics = 0, list(notes), []  # metrics: the metrics file's lines
+    optimizer, scaler = make_optimizer(model, args.lr), make_scaler(device, amp_dtype)
+    metrics = []  # the metrics file's lines, one an epoch
     if state is not None:
         restore(state, model, optimizer, scaler)
-        start_epoch, metrics = state["epoch"], state["metrics"]
-        if state["processes"] != world_size:
-            notes.append(f"note: {world_size} processes replace the checkpoint's "
-                         f"{state['processes']}: global batch {global_batch}")
-        notes.append(f"resumed from {args.run_dir} after epoch {start_epoch}")
-    warn_if_slow(args, device)
-    # DDP averages the gradients in backward, so every process's scaler sees the same ones.
-    ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
-    steps_per_epoch = math.ceil(len(train_loader) / args.accum_steps)
-    if args.max_steps:
-        steps_per_epoch = min(steps_per_epoch, args.max_steps)
-    accumulated = f" x {args.accum_steps} accumulated" if args.accum_steps > 1 else ""
-    data = "one batch" if linear else args.data
-    log(f"amp_train | example {args.example} | torch {torch.__version__} | device "
-        f"{device_label(device)} | precision {args.precision} | scaler "
-        f"{'on' if scaler.is_enabled() else 'off'} | data {data} | batch {local_batch}{accumulated}"
-        f" | processes {world_size} | global batch {global_batch} | epochs {args.epochs} | "
-        f"steps/epoch {steps_per_epoch}")
-    for note in notes:
-        log(note)
-    if start_epoch >= args.epochs:
-        log(f"nothing to do: the checkpoint has {start_epoch} epochs; raise --epochs to train on")
+        metrics = state["metrics"]
+    log("\n".join([header(args, device, scaler), *notes, *cpu_notes(args, device)]))
+    if len(metrics) >= args.epochs:
+        log(f"nothing to do: the checkpoint has {len(metrics)} epochs; raise --epochs")
         return 0
-
-    def save(epoch):  # all a resumed run needs to go on as if it never stopped
-        state = {"format": CHECKPOINT_FORMAT, "example": args.example, "epoch": epoch, "job": job,
-                 "processes": world_size, "args": {key: getattr(args, key) for key in RUN_FLAGS},
-                 "metrics": metrics, "model": model.state_dict(),
-                 "optimizer": optimizer.state_dict()["state"], "scaler": scaler.state_dict()}
-        replace_file(os.path.join(args.run_dir, "checkpoint.pt"), lambda f: torch.save(state, f))
-    if args.run_dir is not None and rank == 0:  # each write is tried before the first epoch
-        with writing(args.run_dir):
-            write_metrics(args.run_dir, metrics)
-            save(start_epoch)
-    skipped_in_a_row = 0
-    for epoch in range(start_epoch, args.epochs):
-        train_loader.set_epoch(epoch)  # the order and the crops depend on (seed, epoch) alone
-        decays = 0 if linear else epoch // LR_STEP_EPOCHS  # the post's StepLR(10, 0.1), resnet's
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr * LR_GAMMA ** decays
+    # DDP averages the gradients in backward, so every process's scaler sees the same.
+    ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    save_run(args, job, metrics, model, optimizer, scaler)  # each write tried before training
+    for epoch in range(len(metrics), args.epochs):
+        set_lr(optimizer, args, epoch)
+        train_loader.set_epoch(epoch)  # the order and the crops depend on (seed, epoch)
         stats = train_epoch(ddp_model, train_loader, optimizer, criterion, scaler, device,
                             amp_dtype, clip_grad_norm=args.clip_grad_norm or None,
-                            accum_steps=args.accum_steps, max_steps=args.max_steps or None,
-                            log_seconds=PROGRESS_SECONDS if rank == 0 else None)
-        for buffer in model.buffers() if world_size > 1 else ():
-            dist.broadcast(buffer, src=0)  # BatchNorm's statistics: all evaluate rank 0's model
-        record = epoch_record(args, epoch, optimizer.param_groups[0]["lr"], stats, model,
-                              test_loader, criterion, device, world_size)
+                            accum_steps=args.accum_steps, max_steps=max_steps,
+                            log_seconds=PROGRESS_SECONDS if rank == 0 else math.inf)
+        if world_size > 1:  # BatchNorm's statistics: all test rank 0's model
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        tested = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps)
+        record = epoch_record(args, epoch, optimizer, stats, tested, device)
         log(epoch_line(record, args.epochs))
-        finite = {key: None if isinstance(x, float) and not math.isfinite(x) else x  # JSON's null
-                  for key, x in record.items()}
-        metrics.append(json.dumps(finite) + "\n")
-        all_skipped = stats["skipped_steps"] == stats["steps"]
-        skipped_in_a_row = skipped_in_a_row + stats["steps"] if all_skipped else 0
-        problem, stop = epoch_problem(record, skipped_in_a_row, model)
-        if args.run_dir is not None and rank == 0:
-            with writing(args.run_dir):
-                write_metrics(args.run_dir, metrics)
-                if problem is None:
-                    save(epoch + 1)
-        if stop:
-            log(f"error: epoch {epoch + 1}: {problem}; {holds(args.run_dir)}; "
-                "try a lower --lr or --clip-grad-norm", sys.stderr)
+        metrics.append(json_line(record))
+        problem, stop_run = epoch_problem(record, model)
+        save_run(args, job, metrics, model, optimizer, scaler, checkpoint=not problem)
+        if stop_run:
+            log(f"error: epoch {epoch + 1}: {problem}; {holds(args.run_dir)}; try a lower "
+                "--lr or --clip-grad-norm", sys.stderr)
             return 1
         if problem:
             log(f"note: epoch {epoch + 1} is not saved, {problem}; {holds(args.run_dir)}")
     return 0
 
 
+def header(args, device, scaler):
+    """The run's first line: what trains, where and how."""
+    scaling = "on" if scaler.is_enabled() else "off"
+    data = "one batch" if args.example == "linear" else args.data
+    return (f"amp_train | example {args.example} | torch {torch.__version__} | device "
+            f"{device_label(device)} | precision {args.precision} | scaler {scaling} | "
+            f"data {data} | batch {args.batch_size} | accum {args.accum_steps} | processes "
+            f"{rank_and_world()[1]} | epochs {args.epochs}")
+
+
+def set_lr(optimizer, args, epoch):
+    """The post's StepLR(10, 0.1) for resnet, from --lr; the linear example's stays."""
+    decays = 0 if args.example == "linear" else epoch // LR_STEP_EPOCHS
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr * LR_GAMMA ** decays
+
+
+def epoch_record(args, epoch, optimizer, stats, tested, device):
+    """An epoch's metrics, summed over all processes."""
+    sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"],
+                         tested["loss"] * tested["samples"],
+                         tested["accuracy"] * tested["samples"], tested["samples"]],
+                        dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    loss_sum, samples, test_loss_sum, correct, test_samples = sums.tolist()
+    record = {"example": args.example, "precision": args.precision, "epoch": epoch + 1,
+              "train_loss": loss_sum / max(samples, 1)}
+    if args.example == "resnet":
+        record.update(test_loss=test_loss_sum / test_samples,
+                      test_accuracy=correct / test_samples)
+    return {**record, "lr": optimizer.param_groups[0]["lr"],
+            "loss_scale": stats["loss_scale"], "skipped_steps": stats["skipped_steps"],
+            "seconds": stats["seconds"], "samples_per_second": samples / stats["seconds"],
+            "processes": rank_and_world()[1]}
+
+
+def json_line(record):
+    """The record as a line of JSON, which has no inf or NaN: null stands for them."""
+    text = json.dumps(record)  # writes NaN, Infinity, -Infinity: no record key holds these
+    for word in ("-Infinity", "Infinity", "NaN"):
+        text = text.replace(word, "null")
+    return text + "\n"
+
+
+def epoch_problem(record, model):
+    """Why this epoch must not be saved, and whether the run must stop: (reason, stop),
+    or (None, False). A skipped fp16 step is the scaler at work, unless it skips all."""
+    tensors = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()  # one sync
+    if not all(finite):  # NaN weights, or BatchNorm statistics of an inf batch, stay NaN
+        return f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN", True
+    if record["loss_scale"] < MIN_LOSS_SCALE:  # the gradients overflow however small
+        return f"the loss scale fell to {record['loss_scale']:g}: inf/NaN gradients", True
+    for key in ("train_loss", "test_loss"):
+        if not math.isfinite(record.get(key, 0.0)):  # in fp16, the scaler skipped that step
+            return f"its {key.replace('_', ' ')} is {record[key]}", False
+    return None, False
+
+
+def epoch_line(record, epochs):
+    """The epoch's log line: fixed format, units, greppable."""
+    line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}"
+    line += f" | train loss {record['train_loss']:.4f}"
+    if "test_loss" in record:
+        line += f" | test loss {record['test_loss']:.4f}"
+        line += f" | test acc {100 * record['test_accuracy']:5.2f}%"
+    return (f"{line} | lr {record['lr']:.4g} | scale {record['loss_scale']:g} | skipped "
+            f"{record['skipped_steps']} | {record['samples_per_second']:.0f} samples/s | "
+            f"{record['seconds']:.3f} s")
+
+
 # -------------------- the memory example
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Bytes that autograd saves for backward inside the block, filled in on exit: activations
-    (they grow with the batch; autocast halves them) and autocast's copies of the weights."""
+    """Bytes that autograd saves for backward inside the block, filled in on exit:
+    activations (they grow with the batch; autocast halves them) and autocast's copies of
+    the weights."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_ids = set(map(id, model.parameters()))
     saved = {}  # data_ptr -> (bytes, a copy of a weight?)
 
     def pack(tensor):
         fn = tensor.grad_fn
-        while fn is not None and len(fn.next_functions) == 1:  # casts and views (weight.t())
+        while len(getattr(fn, "next_functions", ())) == 1:  # casts, views (weight.t())
             fn = fn.next_functions[0][0]
-        origin = getattr(fn, "variable", None)  # the leaf they began from
-        copy = origin is not None and origin.untyped_storage().data_ptr() in weights
+        copied = id(getattr(fn, "variable", None)) in weight_ids  # began at a weight
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes(), copy
+            saved[storage.data_ptr()] = storage.nbytes(), copied
         return tensor
 
-    counts = {}
+    counts = {"activation_bytes": 0, "weight_copy_bytes": 0}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield counts
-    counts["activation_bytes"] = sum(n for n, copy in saved.values() if not copy)
-    counts["weight_copy_bytes"] = sum(n for n, copy in saved.values() if copy)
+    for nbytes, copied in saved.values():
+        counts["weight_copy_bytes" if copied else "activation_bytes"] += nbytes
 
 
-def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_STEPS,
-                     warmup=MEMORY_WARMUP_STEPS, lr=LR):
-    """Trains a copy of `model` on one batch: `warmup` steps, one whose saved tensors are
-    counted, then `steps` timed ones and their CUDA peak memory."""
+def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_STEPS, lr=LR):
+    """Trains a copy of `model` on one batch: warm-up steps, one whose saved tensors are
+    counted, then `steps` timed ones and, on CUDA, their peak memory."""
     model = copy.deepcopy(model)
     optimizer, scaler = make_optimizer(model, lr), make_scaler(device, amp_dtype)
 
     def step():
         return train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
-    for _ in range(warmup):
+    for _ in range(MEMORY_WARMUP_STEPS):
         step()
-    with count_saved_tensors(model) as saved:
+    with count_saved_tensors(model) as measured:
         step()
-    cuda = device.type == "cuda"
-    if cuda:
+    if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()  # so that the reserved peak is this run's alone
         torch.cuda.reset_peak_memory_stats(device)
-    timed = [step() for _ in range(steps)]
-    seconds = [stats["seconds"] for stats in timed]
-    peaks = (None, None)
-    if cuda:  # reserved memory is what the caching allocator holds, and what runs out
-        peaks = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
-    return {**saved, "peak_bytes": peaks[0], "reserved_bytes": peaks[1],
-            "step_seconds": statistics.median(seconds), "step_seconds_min": min(seconds),
-            "step_seconds_max": max(seconds), "final_loss": timed[-1]["loss"]}
+    seconds = [step()["seconds"] for _ in range(steps)]
+    if device.type == "cuda":  # reserved: what the caching allocator holds, and runs out of
+        measured["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        measured["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return {**measured, "step_seconds": statistics.median(seconds),
+            "step_seconds_min": min(seconds), "step_seconds_max": max(seconds)}
 
 
 def run_memory(args, device):
-    """The post's claims, measured: one model and batch in fp32 and in AMP, side by side."""
-    if dist.is_initialized():
-        raise UsageError("--example memory measures one process: run it with python, not torchrun")
+    """The post's claims, measured: one model and batch in fp32 and in AMP, side by side.
+    A generator: says which precision it measures, then yields the report's lines."""
     if args.precision == "fp32":
-        raise UsageError("--example memory compares fp32 with AMP: use --precision fp16 or bf16")
-    example = argparse.Namespace(**{**vars(args), "data": "synthetic",
-                                    "example": "linear" if args.model == "linear" else "resnet"})
+        raise UsageError("--example memory compares fp32 with AMP: use --precision fp16/bf16")
+    example = argparse.Namespace(**vars(args))
+    example.example = "linear" if args.model == "linear" else "resnet"
+    example.data = "synthetic"
     torch.manual_seed(args.seed)
-    model, criterion, loader, _ = build_example(example, device,
-                                                imagenet_stem=args.model == "resnet18-imagenet")
+    model, criterion, loader, _ = build_example(
+        example, device, imagenet_stem=args.model == "resnet18-imagenet")
     batch = next(iter(loader))
-    warn_if_slow(args, device)
-    runs = {name: measure_training(model, batch, criterion, device, PRECISIONS[precision],
-                                   args.steps, lr=args.lr)
-            for name, precision in (("fp32", "fp32"), ("amp", args.precision))}
-    runs["ratio"] = {key: runs["amp"][key] / fp32 if runs["amp"][key] is not None and fp32 else None
-                     for key, fp32 in runs["fp32"].items()}
-    return {"device": device_label(device), "model": args.model, "batch_size": args.batch_size,
-            "precision": args.precision, "steps": args.steps, "torch": torch.__version__, **runs}
+    runs = {}
+    for precision in ("fp32", args.precision):
+        yield f"measuring {precision}: {MEMORY_WARMUP_STEPS} warm-up + {args.steps} timed steps"
+        try:
+            runs[precision] = measure_training(model, batch, criterion, device,
+                                               PRECISIONS[precision], args.steps, args.lr)
+        except ValueError as e:  # BatchNorm of 1x1 maps and a batch of one
+            raise UsageError(f"{args.model} cannot train on this batch ({e}): raise "
+                             "--batch-size") from None
+    yield from memory_report(args, device, runs["fp32"], runs[args.precision])
 
 
-def memory_table(r):
+def memory_report(args, device, fp32, amp):
+    """The memory example's table, its verdict and, when the step times vary, a warning."""
     def cell(key, x):
-        if x is None:
-            return "n/a"
         if key.endswith("bytes"):
             return f"{x / 2**20:.2f} MiB" if x >= 2**20 else f"{x / 2**10:.2f} KiB"
-        return f"{1000 * x:.2f} ms" if "seconds" in key else f"{x:.4f}"
-    name = r["precision"]
-    lines = [f"memory | torch {r['torch']} | device {r['device']} | model {r['model']} | batch "
-             f"{r['batch_size']} | {MEMORY_WARMUP_STEPS} warm-up + {r['steps']} timed steps",
-             f"{'':<18}{'fp32':>14}{name:>14}{name + '/fp32':>12}"]
-    for key, ratio in r["ratio"].items():
-        shown_ratio = "n/a" if ratio is None else f"{ratio:.2f}"
-        lines.append(f"{key:<18}{cell(key, r['fp32'][key]):>14}{cell(key, r['amp'][key]):>14}"
-                     f"{shown_ratio:>12}")
-    return "\n".join(lines)
+        return f"{1000 * x:.2f} ms"
+    name = args.precision
+    yield f"{'':<18}{'fp32':>14}{name:>14}{name + '/fp32':>12}"
+    for key in fp32:
+        ratio = f"{amp[key] / fp32[key]:.2f}" if fp32[key] else "n/a"
+        yield f"{key:<18}{cell(key, fp32[key]):>14}{cell(key, amp[key]):>14}{ratio:>12}"
+    step = amp["step_seconds"] / fp32["step_seconds"]
+    memory = amp["activation_bytes"] / fp32["activation_bytes"]
+    faster = "faster" if step < 1 else "not faster"
+    yield (f"verdict: {args.model}, batch {args.batch_size}, {device_label(device)}, torch "
+           f"{torch.__version__}: a {name} step takes {step:.2f}x fp32's time and "
+           f"{memory:.2f}x its activation memory; AMP is {faster} here")
+    spread = max(fp32["step_seconds_max"] / fp32["step_seconds_min"],
+                 amp["step_seconds_max"] / amp["step_seconds_min"])
+    if spread > NOISY_SPREAD:
+        yield (f"warning: noisy timings (a step took up to {spread:.1f}x the fastest): "
+               "another process is using the device; rerun when it is idle")
 
 
 # -------------------- command line
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2 through main(), not usage text and sys.exit
+    def error(self, message):  # one line and exit 2 through main(), not usage and exit
         raise UsageError(f"{message} (see --help)")
 
 
@@ -795,99 +850,124 @@ def parse_args(argv):
     p = ArgumentParser(description="AMP training: the blog post's programs, fixed.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
-    add("--example", choices=["resnet", "linear", "memory"], default="resnet", help="the program")
-    add("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if visible")
+    add("--example", choices=["resnet", "linear", "memory"], default="resnet",
+        help="the program")
+    add("--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help="auto: cuda if one is visible")
     add("--precision", choices=["auto", *PRECISIONS], default="auto",
-        help="auto: fp16 (with a GradScaler) on CUDA, bf16 on the CPU; fp32: no AMP")
-    add("--epochs", type=count, default=EPOCHS, help="linear: iterations over its one batch")
+        help="auto: fp16 (with a GradScaler) on CUDA; bf16 on a CPU with bf16 "
+             "instructions (AMX, AVX512-BF16), else fp32; fp32: no AMP")
+    add("--epochs", type=count, default=EPOCHS, help="linear: iterations on its batch")
     add("--batch-size", type=count, default=BATCH_SIZE,
         help="per step and process; for linear, its one batch, shared out")
-    add("--lr", type=number(float, math.ulp(0.0), largest), default=LR, help="SGD's learning rate")
-    add("--data", choices=["cifar10", "synthetic"], default="cifar10", help="synthetic: offline")
+    add("--lr", type=number(float, math.ulp(0.0), largest), default=LR, help="SGD's lr")
+    add("--data", choices=["cifar10", "synthetic"], default="cifar10",
+        help="synthetic: offline")
     add("--data-root", default="./data", help="the folder of CIFAR-10")
     add("--max-steps", type=limit, default=0,
-        help="end each epoch after this many optimizer steps (and test batches); 0: no limit")
+        help="end each epoch after this many steps (and test batches); 0: all")
     add("--clip-grad-norm", type=number(float, 0.0, largest), default=0.0,
         help="clip the gradients to this norm, after unscaling; 0: no clipping")
     add("--accum-steps", type=count, default=1, help="micro-batches per optimizer step")
     add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl")
-    add("--resume", action="store_true", help="go on with the run in --run-dir, up to --epochs")
+    add("--resume", action="store_true", help="go on with the run in --run-dir")
     add("--model", choices=["resnet18", "resnet18-imagenet", "linear"], default="resnet18",
         help="memory's model; resnet18-imagenet has the post's stem")
-    add("--steps", type=count, default=MEMORY_STEPS, help="memory: timed steps, after 3 warm-up")
-    add("--seed", type=number(int, 0, 2**32 - 1), default=0, help="of weights, data and crops")
-    return p.parse_args(argv)
+    add("--steps", type=count, default=MEMORY_STEPS, help="memory: timed steps")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=0, help="of weights, data, crops")
+    args = p.parse_args(argv)
+    if args.run_dir is not None and args.example == "memory":
+        raise UsageError("--run-dir is for the resnet and linear examples")
+    if args.resume and args.run_dir is None:
+        raise UsageError("--resume needs --run-dir DIR")
+    return args
 
 
 def main(argv=None):
+    """The command line; returns the exit status. A signal anywhere ends in one line."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    run_dir = lock = None
+    run = {"dir": None, "lock": None}  # the run folder, once taken
     try:
-        args = parse_args(argv)
-        if args.run_dir == "" or args.run_dir is not None and args.example == "memory":
-            raise UsageError("--run-dir takes a folder, for the resnet and linear examples")
-        if args.resume and args.run_dir is None:
-            raise UsageError("--resume needs --run-dir DIR")
-        device = resolve_device(args.device)
-        if device.type == "cuda":  # this process's GPU, for what asks the current one (NCCL, bf16)
-            torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: time kernels once
-        args.precision = resolve_precision(args.precision, device)
-        job = init_distributed(device)
-        rank = rank_and_world()[0]
-        run_dir, state = args.run_dir, [None]  # rank 0 takes the folder, hands out its checkpoint
-        if run_dir is not None and rank == 0:
-            try:
-                lock, state[0] = open_run_dir(run_dir, args.resume, job, args.example)
-            except UsageError as e:
-                state[0] = e
-        if run_dir is not None and dist.is_initialized():
-            dist.broadcast_object_list(state, src=0)
-        if isinstance(state[0], UsageError):
-            raise state[0]
-        notes = []
-        if state[0] is not None:
-            args, notes = resume_args(argv, state[0], device)
-        if args.example == "memory":
-            print(memory_table(run_memory(args, device)), flush=True)
-            return 0
-        status = run_training(args, device, state[0], notes, job)
-        if dist.is_initialized():
-            dist.barrier()  # every process finishes its last collective before any leaves
-        return status
-    except UsageError as e:
-        say(f"error: {e}", sys.stderr)
-        return 2
-    except Stopped as e:  # Ctrl-C or SIGTERM: one line, and what the run folder holds
+        return report_errors(argv, run)
+    except Stopped as e:  # Ctrl-C or SIGTERM, also while an error is reported
         if rank_and_world()[0] == 0:
-            word = "interrupted" if e.args[0] == signal.SIGINT else "terminated"
-            say(f"error: {word}; {holds(run_dir)}", sys.stderr)
+            name = signal.Signals(e.args[0]).name
+            say(f"error: stopped by {name}; {holds(run['dir'])}", sys.stderr)
         return 128 + e.args[0]
-    except RuntimeError as e:
-        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-            say(f"error: out of memory at --batch-size {args.batch_size}: lower it "
-                "(--accum-steps K keeps the batch of an optimizer step)", sys.stderr)
-            return 2
-        if not dist.is_initialized() or not (isinstance(e, dist.DistError) or "gloo" in str(e)):
-            raise
-        # Mostly a peer that died or hung (gloo raises plain RuntimeErrors): torchrun restarts
-        where = f"; {holds(run_dir)}" if rank_and_world()[0] == 0 else ""
-        say(f"error: the process group failed ({str(e).splitlines()[0][:200]}){where}", sys.stderr)
-        return 3
-    except OSError as e:  # stdout closed by its reader (| head) or full (> /dev/full)
-        with contextlib.suppress(Exception):  # what stdout still holds goes nowhere at exit
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        say(f"error: {os_error(e)}; {holds(run_dir)}", sys.stderr)
-        return 2
     finally:
-        if lock is not None:
-            os.close(lock)
-        if dist.is_initialized():  # DDP holds the group in reference cycles: gloo aborted at exit
+        if run["lock"] is not None:
+            os.close(run["lock"])
+        if dist.is_initialized():  # DDP holds the group in reference cycles: gloo aborted
             gc.collect()
             dist.destroy_process_group()
 
 
+def report_errors(argv, run):
+    """run_example(), with each error a user can cause as one line and its exit status."""
+    try:
+        return run_example(argv, run)
+    except UsageError as e:
+        say(f"error: {e}", sys.stderr)
+        return e.status
+    except RuntimeError as e:
+        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+            say("error: out of memory: lower --batch-size (--accum-steps K keeps the batch "
+                "of an optimizer step)", sys.stderr)
+            return 2
+        if not dist.is_initialized():
+            raise
+        # Mostly a peer that died or hung (gloo raises plain RuntimeErrors): torchrun restarts
+        where = f"; {holds(run['dir'])}" if rank_and_world()[0] == 0 else ""
+        say(f"error: the process group failed ({str(e).splitlines()[0][:200]}){where}",
+            sys.stderr)
+        return 3
+
+
+def run_example(argv, run):
+    """Parses the flags, sets up device, processes and run folder; runs the example."""
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    if device.type == "cuda":  # this process's GPU, for what asks the current one (NCCL)
+        torch.cuda.set_device(device)
+    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: time kernels once
+    args.precision = resolve_precision(args.precision, device, args.example)
+    job = init_distributed(device)
+    run["dir"] = args.run_dir
+    state, notes = None, []
+    if args.run_dir is not None:
+        state = take_run_dir(args, job, run)
+    if state is not None:
+        args, notes = resume_args(argv, state, device)
+    if args.example != "memory":
+        status = run_training(args, device, state, notes, job)
+        if dist.is_initialized():
+            dist.barrier()  # every process ends its last collective before any leaves
+        return status
+    say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
+        f"{args.model} | batch {args.batch_size} | precision {args.precision}")
+    for line in itertools.chain(cpu_notes(args, device), run_memory(args, device)):
+        say(line)
+    return 0
+
+
+def take_run_dir(args, job, run):
+    """Rank 0 takes the run folder; every process gets its checkpoint, or its error."""
+    state = [None]
+    if rank_and_world()[0] == 0:
+        try:
+            run["lock"], state[0] = open_run_dir(args.run_dir, args.resume, job)
+        except UsageError as e:
+            state[0] = e
+    if dist.is_initialized():
+        dist.broadcast_object_list(state, src=0)
+    if isinstance(state[0], UsageError):
+        raise state[0]
+    return state[0]
+
+
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, Stopped.handler)  # from here on a signal ends main() on one line
-    signal.signal(signal.SIGTERM, Stopped.handler)
-    sys.exit(main())
+    signal.signal(signal.SIGINT, stop)  # from here on a signal ends main() on one line
+    signal.signal(signal.SIGTERM, stop)
+    status = main()
+    ignore_signals()  # the run is over; torch's teardown at exit takes a while
+    sys.exit(status)
