@@ -1,10 +1,10 @@
 """AMP training with torch.amp, as its docs describe it: the programs of the blog post
 "AMP Tensor Cores: saving memory in PyTorch models", fixed, for a CUDA GPU or the CPU.
 
-    python amp_train.py --example linear   # the post's Linear(10, 1): 100 steps, one batch
-    python amp_train.py --example resnet   # ResNet18 on CIFAR-10 (--data synthetic: offline)
-    python amp_train.py --example memory   # fp32 and AMP side by side: memory and step time
-    torchrun --nproc_per_node=2 amp_train.py --example resnet   # DDP, one GPU per process
+    python amp_train.py --example linear   # the post's Linear(10, 1) on one batch
+    python amp_train.py --example resnet   # ResNet18 on CIFAR-10 (--data synthetic)
+    python amp_train.py --example memory   # fp32 and AMP side by side
+    torchrun --nproc_per_node=2 amp_train.py --example resnet   # DDP
 
 train_epoch, first below, is the part to copy.
 """
@@ -39,68 +39,68 @@ LR = 0.01
 LR_STEP_EPOCHS = 10
 LR_GAMMA = 0.1
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
-# The flags that define a run: a resumed run keeps the checkpoint's unless given again.
+# The flags of a run: a resumed one keeps the checkpoint's unless given again.
 RUN_FLAGS = ("epochs", "precision", "batch_size", "lr", "data", "max_steps",
              "clip_grad_norm", "accum_steps", "seed")
 CHECKPOINT_FORMAT = "amp_train checkpoint 4"
-CHECKPOINT_FIELDS = {"format": (str,), "example": (str,), "job": (str, type(None)),
+CHECKPOINT_FIELDS = {"format": (str,), "job": (str, type(None)),
                      "epoch": (int,), "args": (dict,), "metrics": (list,),
                      "model": (dict,), "optimizer": (dict,), "loss_scale": (float,),
                      "growth_tracker": (int,)}
-MAX_CHECKPOINT_BYTES = 2**30  # ResNet18's, with SGD's momentum, takes 90 MB
-# fp16 stops when the scale falls below this, 32 halvings under its start of 2**16: the
-# gradients overflow however small the loss is made.
+MAX_CHECKPOINT_BYTES = 2**30  # ResNet18's takes 45 MB
+# fp16 stops when its loss scale falls 32 halvings under 2**16: the gradients overflow
+# however small the loss is made.
 MIN_LOSS_SCALE = 2.0**-16
-DIST_TIMEOUT = datetime.timedelta(minutes=10)  # NCCL's default: room for a download
+DIST_TIMEOUT = datetime.timedelta(minutes=10)  # NCCL's default
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 MEMORY_STEPS = 20
 MEMORY_WARMUP_STEPS = 3
-NOISY_SPREAD = 1.3  # the slowest timed step over the fastest, beyond which timings are noisy
+NOISY_SPREAD = 1.3  # the slowest timed step over the fastest, at most
 PROGRESS_SECONDS = 15  # longer epochs print a progress line this often
 
 
-# -------------------- the part to copy
+# ---------- the part to copy
 
 def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, *,
                 scheduler=None, clip_grad_norm=None, accum_steps=1, max_steps=None,
                 log_seconds=float("inf")):
-    """One pass over `loader`'s (inputs, targets) with AMP as in the torch.amp docs, plus
+    """One pass over `loader`'s (inputs, targets) with AMP, as the torch.amp docs, plus
     accumulation and a skipped-step count; amp_dtype: bfloat16, float16 (with a GradScaler)
-    or None. scheduler: stepped after every step, skipped or not (our choice: checking syncs).
+    or None. scheduler: stepped after every step, skipped or not (our choice: no sync).
     Returns {"loss", "steps", "skipped_steps", "samples", "seconds", "loss_scale"}."""
     device = torch.device(device)
-    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)  # passes through
+    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)  # a no-op
     if amp_dtype == torch.float16 and not scaler.is_enabled():
-        raise ValueError("float16 needs loss scaling: pass torch.amp.GradScaler(device.type)")
+        raise ValueError("float16 needs a torch.amp.GradScaler(device.type)")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be 1 or more, not {accum_steps}")
     model.train()
-    loss_sum, skipped = torch.zeros(2, device=device)  # summed there: no .item() per step
+    loss_sum, skipped = torch.zeros(2, device=device)  # no .item() per step
     steps = samples = 0
     start = last_log = time.perf_counter()
     batches = iter(loader)
     while steps != max_steps and (group := list(itertools.islice(batches, accum_steps))):
-        optimizer.zero_grad(set_to_none=True)  # no gradient from before reaches this step
+        optimizer.zero_grad(set_to_none=True)  # no gradient from before this step
         for i, batch in enumerate(group):
             if not isinstance(batch, (tuple, list)):
                 raise TypeError(f"{type(batch)} is no (inputs, targets) pair: see README")
             inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
-            no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP all-reduces
+            no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP's: all-reduce
             with no_sync() if i < len(group) - 1 else contextlib.nullcontext():  # at the last
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
                     loss = criterion(model(inputs), targets)  # forward and loss only
-                scaler.scale(loss / len(group)).backward()  # scaled: small fp16 grads live
+                scaler.scale(loss / len(group)).backward()  # small fp16 grads live
             loss_sum += loss.detach().float() * len(targets) if len(targets) else 0.0
             samples += len(targets)
         if clip_grad_norm is not None:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            scaler.unscale_(optimizer)  # clip the true gradients
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         scaler.step(optimizer)  # skips the step if a gradient is inf/NaN
-        if scaler.is_enabled():  # found_inf stays on the device: the public reads sync
+        if scaler.is_enabled():  # found_inf, read on the device: no sync
             found = scaler._found_inf_per_device(optimizer).values()
             skipped += sum(found_inf.to(device) for found_inf in found) > 0
-        scaler.update()  # halves the scale after a skip, doubles it after 2000 clean steps
+        scaler.update()  # halves the scale after a skip, doubles it after 2000 steps
         if scheduler is not None:
             scheduler.step()
         steps += 1
@@ -108,7 +108,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
             last_log = time.perf_counter()  # .item() is a host sync: once a line
             print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
                   f"{samples / (last_log - start):.0f} samples/s", flush=True)
-    loss_sum, skipped = torch.stack([loss_sum, skipped]).tolist()  # the host sync at the end
+    loss_sum, skipped = torch.stack([loss_sum, skipped]).tolist()  # one sync
     return {"loss": loss_sum / (samples or float("nan")), "steps": steps, "samples": samples,
             "skipped_steps": int(skipped), "seconds": time.perf_counter() - start,
             "loss_scale": scaler.get_scale()}  # 1.0 when disabled
@@ -116,12 +116,11 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
 
 @torch.inference_mode()
 def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
-    """Mean loss per sample, accuracy (argmax == target) and samples of `loader`'s first
-    max_steps batches, under autocast; NaN if no sample. Needs `import itertools, torch`."""
+    """Mean loss, accuracy and samples of `loader`'s first max_steps batches, under
+    autocast; NaN if no sample. Needs `import itertools, torch`."""
     device = torch.device(device)
     model.eval()
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device)
+    loss_sum, correct = torch.zeros(2, device=device)
     samples = 0
     for inputs, targets in itertools.islice(loader, max_steps):
         inputs, targets = inputs.to(device), targets.to(device)
@@ -135,10 +134,10 @@ def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
     return {"loss": loss_sum / measured, "accuracy": correct / measured, "samples": samples}
 
 
-# -------------------- errors and signals
+# ---------- errors and signals
 
 class UsageError(Exception):
-    """A mistake the user can fix: main() prints it as one line and exits 2."""
+    """A mistake the user can fix: one line, exit 2."""
     status = 2
 
 
@@ -148,11 +147,11 @@ class GroupError(UsageError):
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM, raised by stop() (a plain KeyboardInterrupt passes main())."""
+    """SIGINT or SIGTERM (a plain KeyboardInterrupt passes main())."""
 
 
 def stop(signum, frame):
-    """The handler __main__ installs: a second signal cannot break the cleanup."""
+    """__main__'s handler: one stop; a second signal cannot break the cleanup."""
     ignore_signals()
     raise Stopped(signum)
 
@@ -166,24 +165,23 @@ def say(line, file=None):
     print(line, file=file, flush=True)
 
 
-# -------------------- device, precision, processes
+# ---------- device, precision, processes
 
 def resolve_device(name):
-    """cuda for 'auto' if a GPU is visible; under torchrun, GPU LOCAL_RANK."""
+    """cuda for 'auto' if a GPU is seen; GPU LOCAL_RANK under torchrun."""
     if name == "cpu" or name == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but no CUDA GPU is visible: use --device cpu")
+        raise UsageError("no CUDA GPU is visible: use --device cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():  # two processes on one GPU: slow, or OOM
-        raise UsageError(f"process {local_rank} has no GPU of its own: start at most "
-                         f"--nproc_per_node={torch.cuda.device_count()}")
+    if local_rank >= torch.cuda.device_count():  # two processes on one GPU: OOM
+        raise UsageError(f"process {local_rank} has no GPU: start fewer")
     return torch.device("cuda", local_rank)
 
 
 def cpu_bf16():
-    """The CPU's bf16 instructions: AMX, AVX512-BF16 or none (then bf16 is emulated)."""
-    # torch names these privately only; a test checks them against /proc/cpuinfo.
+    """The CPU's bf16 instructions: AMX, AVX512-BF16 or none (bf16 is emulated)."""
+    # Private, the only names: a test checks them against /proc/cpuinfo.
     if torch.cpu._is_amx_tile_supported():
         return "AMX"
     return "AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else "none"
@@ -194,63 +192,62 @@ def device_label(device):
 
 
 def resolve_precision(name, device, example):
-    """fp16, bf16 or fp32. auto: fp16 (with a GradScaler) on CUDA; bf16 on a CPU with bf16
-    instructions, else fp32; the memory example, which compares, takes bf16 on any CPU."""
+    """auto: fp16 on CUDA; on a CPU bf16 if it has bf16 instructions, else fp32 (but
+    bf16 for the memory example, which compares)."""
     cuda = device.type == "cuda"
     if name == "auto":
         on_cpu = "bf16" if cpu_bf16() != "none" or example == "memory" else "fp32"
         return "fp16" if cuda else on_cpu
     if name == "bf16" and cuda and not torch.cuda.is_bf16_supported(False):
-        raise UsageError("this GPU does not support bfloat16: use --precision fp16 or fp32")
+        raise UsageError("this GPU has no bfloat16: use --precision fp16")
     return name
 
 
 def cpu_notes(args, device):
-    """What AMP costs on this CPU: lines for the header."""
+    """What AMP costs on this CPU, for the header."""
     notes = []
     if device.type != "cpu":
         return notes
     if args.precision == "fp16":
-        notes.append("warning: fp16 is very slow on CPUs: --precision bf16 (with AMX or "
-                     "AVX512-BF16) or fp32 is faster")
+        notes.append("warning: fp16 is very slow on CPUs: bf16 or fp32 is faster")
     if cpu_bf16() == "none":
-        notes.append("note: this CPU has no bf16 instructions (AMX, AVX512-BF16): bf16 is "
-                     "emulated, slower than fp32, so --precision auto is fp32 here "
-                     "(--precision bf16 forces bf16)")
+        notes.append("note: this CPU has no bf16 instructions (AMX, AVX512-BF16): bf16 "
+                     "is emulated, slower, so auto is fp32 (--precision bf16 forces it)")
     return notes
 
 
 def make_scaler(device, amp_dtype):
-    # Only float16 needs loss scaling: bfloat16 has fp32's range. Disabled, it passes through.
+    # Only float16 needs loss scaling: bfloat16 has fp32's range.
     return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
 
 
 def make_optimizer(model, lr):
-    """The post's SGD, fused: its kernel takes the scaler's inf check, so step() need not wait."""
+    """The post's SGD, fused: it takes the inf check into its kernel, so step() needs
+    no sync."""
     return torch.optim.SGD(model.parameters(), lr=lr, fused=True)
 
 
 def init_distributed(device):
-    """Under torchrun, meets the other processes and joins their group (NCCL, or gloo on
-    CPUs); returns the job's name, or None without torchrun."""
+    """Under torchrun, joins the processes' group (NCCL, or gloo on CPUs); returns
+    the job's name, or None."""
     if "WORLD_SIZE" not in os.environ:
         return None
     store, rank, world_size = wait_for_peers()
-    # torchrun keeps its store over restarts: the first process names the job, restarts
-    # find the name. Each round gets keys of its own (the last round's hung gloo).
+    # torchrun's store outlives restarts: the first process names the job, restarts find
+    # the name. Each round gets keys of its own (the last one's hung gloo).
     job = store.compare_set("amp_train_job", "", os.urandom(16).hex()).decode()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"round{restart}", store)
     backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    # A bounded wait: a process whose peer died raises instead of hanging.
+    # Bounded waits: a process whose peer died raises.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=DIST_TIMEOUT, device_id=device_id)
     return job
 
 
 def wait_for_peers():
-    """torch's env:// rendezvous: (store, rank, world size). It waits in C++, where no signal
-    reaches Python, so it runs in a helper thread while this one waits, signals let in."""
+    """env:// rendezvous: (store, rank, world size), in a helper thread: it waits in
+    C++, where no signal reaches Python."""
     met = []  # what the rendezvous returned or raised
 
     def meet():
@@ -263,10 +260,10 @@ def wait_for_peers():
     while thread.is_alive():
         thread.join(0.1)
     if isinstance(met[0], ValueError):  # MASTER_ADDR, MASTER_PORT or RANK is missing
-        raise UsageError(f"{met[0]}: start with torchrun, or unset WORLD_SIZE and RANK")
-    if isinstance(met[0], Exception):  # the port in use, or a timeout: torch names it
-        raise GroupError(f"the processes could not meet ({str(met[0]).splitlines()[0]}): "
-                         "start them all, with a free MASTER_PORT")
+        raise UsageError(f"{met[0]}: use torchrun, or unset WORLD_SIZE")
+    if isinstance(met[0], Exception):  # a port in use, a timeout: torch names it
+        cause = str(met[0]).splitlines()[0]
+        raise GroupError(f"the processes could not meet ({cause})")
     return met[0]
 
 
@@ -274,12 +271,12 @@ def rank_and_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-# -------------------- models and data
+# ---------- models and data
 
 def resnet18(imagenet_stem=False):
-    """torchvision's ResNet18 for 10 classes, with the CIFAR stem (a 3x3 stride-1 conv, no
-    max-pool); the post's ImageNet stem shrinks 32x32 images to 8x8 before layer1."""
-    import torchvision  # here: it takes seconds to import, and the linear example needs none
+    """torchvision's ResNet18 for 10 classes, with the CIFAR stem (3x3 stride-1 conv,
+    no max-pool), or the post's, which makes 32x32 images 8x8."""
+    import torchvision  # here: it takes seconds; linear needs none
     model = torchvision.models.resnet18(num_classes=10)  # the post's had 1000 classes
     if not imagenet_stem:
         model.conv1 = nn.Conv2d(3, 64, 3, padding=1, bias=False)
@@ -288,19 +285,14 @@ def resnet18(imagenet_stem=False):
 
 
 class DeviceLoader:
-    """(inputs, targets) batches of tensors held on the device: no worker, no copy per
-    batch. Each process takes a shard: with `shuffle`, equal ones of whole batches
-    (BatchNorm breaks on one sample); else every sample once. Order and crops depend on
-    (seed, epoch) alone."""
+    """Batches of tensors held on the device. A process's shard: with `shuffle`, whole
+    batches (BatchNorm needs 2+), as many as others'; else each sample once."""
 
     def __init__(self, inputs, targets, batch_size, device, transform=lambda x, _: x,
                  shuffle=False, seed=0, rank=0, world_size=1):
         self.inputs, self.targets = inputs.to(device), targets.to(device)
         self.batch_size, self.transform, self.shuffle = batch_size, transform, shuffle
         self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
 
     def __len__(self):
         if self.shuffle:
@@ -313,7 +305,7 @@ class DeviceLoader:
         augment = torch.Generator(device)
         augment.manual_seed((seed + 7919 * (self.rank + 1)) % 2**32)
         order = torch.arange(n)
-        if self.shuffle:  # one permutation for all processes, drawn on the CPU: any GPU agrees
+        if self.shuffle:  # one order for all, drawn on the CPU: GPUs agree
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
             order = order[:len(self) * self.batch_size * self.world_size]
         order = order[self.rank::self.world_size].to(device)
@@ -323,7 +315,7 @@ class DeviceLoader:
 
 
 def random_crop_flip(images, generator):
-    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, for a whole batch."""
+    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, batched."""
     n, device = len(images), images.device
     padded = F.pad(images, (4, 4, 4, 4))
     dy, dx = torch.randint(0, 9, (2, n, 1), generator=generator, device=device)
@@ -336,7 +328,7 @@ def random_crop_flip(images, generator):
 
 def cifar10_transform(device, augment):
     """uint8 -> normalized float images, cropped and flipped if `augment`, channels_last
-    (the layout tensor cores and oneDNN convolve in)."""
+    (tensor cores' and oneDNN's layout)."""
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(3, 1, 1) * 255
 
@@ -349,7 +341,7 @@ def cifar10_transform(device, augment):
 
 
 def synthetic_cifar10(size, seed=0, train=True):
-    """CIFAR-10-shaped uint8 images and labels to learn offline: a smooth pattern a class."""
+    """CIFAR-10-shaped uint8 images and labels: a smooth pattern a class, and noise."""
     g = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, 4, 4, generator=g)
     patterns = F.interpolate(patterns, size=(32, 32), mode="bilinear")
@@ -360,28 +352,32 @@ def synthetic_cifar10(size, seed=0, train=True):
 
 
 def cifar10(root):
-    """CIFAR-10's (train, test) uint8 images and labels, downloaded into `root` if missing
-    by rank 0 alone while the others wait (two downloads corrupt an archive)."""
+    """CIFAR-10's (train, test) images and labels, downloaded if missing by rank 0
+    alone (two downloads corrupt it)."""
     import torchvision
     if rank_and_world()[0] == 0:
-        with contextlib.suppress(OSError, RuntimeError):  # offline: the reading says so
+        with contextlib.suppress(OSError, RuntimeError):  # offline: see below
             torchvision.datasets.CIFAR10(root, download=True)
     if dist.is_initialized():
         dist.barrier()
     try:
-        sets = [torchvision.datasets.CIFAR10(root, train=train) for train in (True, False)]
+        train = torchvision.datasets.CIFAR10(root, train=True)
+        test = torchvision.datasets.CIFAR10(root, train=False)
     except (OSError, RuntimeError):
-        raise UsageError(f"CIFAR-10 is not in {os.path.abspath(root)} and could not be "
-                         "downloaded: put cifar-10-python.tar.gz there, or use --data "
-                         "synthetic") from None
-    return [(torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(s.targets))
-            for s in sets]
+        raise UsageError(f"no CIFAR-10 in {os.path.abspath(root)}, nor online: put "
+                         "cifar-10-python.tar.gz there, or use --data synthetic") from None
+    return images_and_labels(train), images_and_labels(test)
+
+
+def images_and_labels(dataset):
+    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
+    return images, torch.tensor(dataset.targets)
 
 
 def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
     """Model, loss, train and test loader of args.example, for one process."""
-    if args.example == "linear":  # the post's one fixed batch, seeded, shared out evenly
-        if args.batch_size % world_size:  # else DDP's mean of the processes' means is skewed
+    if args.example == "linear":  # the post's one fixed batch, seeded, shared out
+        if args.batch_size % world_size:  # else DDP's mean of means is skewed
             raise UsageError(f"--batch-size {args.batch_size} does not share out evenly "
                              f"among {world_size} processes")
         g = torch.Generator().manual_seed(args.seed)
@@ -394,77 +390,74 @@ def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
         test = synthetic_cifar10(2_000, args.seed, train=False)
     else:
         train, test = cifar10(args.data_root)
-    shards = {"device": device, "rank": rank, "world_size": world_size}
-    train_loader = DeviceLoader(*train, args.batch_size, transform=cifar10_transform(device, True),
-                                shuffle=True, seed=args.seed, **shards)
+    shards = {"rank": rank, "world_size": world_size}
+    augment = cifar10_transform(device, True)
+    train_loader = DeviceLoader(*train, args.batch_size, device, augment, True, args.seed, **shards)
     if len(train_loader) == 0:
         raise UsageError(f"--batch-size {args.batch_size} is more than each process's "
-                         f"{len(train[1]) // world_size} training images: lower it")
-    test_loader = DeviceLoader(*test, args.batch_size, transform=cifar10_transform(device, False),
+                         f"{len(train[1]) // world_size} training images")
+    test_loader = DeviceLoader(*test, args.batch_size, device, cifar10_transform(device, False),
                                **shards)
     model = resnet18(imagenet_stem).to(device, memory_format=torch.channels_last)
     return model, nn.CrossEntropyLoss(), train_loader, test_loader
 
 
-# -------------------- the run folder
+# ---------- the run folder
 
 def open_run_dir(folder, resume, job):
-    """Takes the run folder, locked (the kernel lets go when the process dies): returns
-    the lock and the checkpoint to go on from, or None."""
+    """Locks the run folder (the kernel lets go when the process dies); returns the lock
+    and the checkpoint to go on from, or None."""
     try:
         if not resume:
             os.makedirs(folder, exist_ok=True)
         lock = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
-        raise UsageError(f"cannot use --run-dir {folder} ({e}): pass another") from None
+        raise UsageError(f"cannot use --run-dir {folder} ({e})") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return lock, checkpoint_to_resume(folder, resume, job)
     except BaseException as e:
         os.close(lock)
         if isinstance(e, BlockingIOError):
-            raise UsageError(f"another run is using {folder}: wait for it to end, "
-                             "or pass another --run-dir") from None
+            raise UsageError(f"another run is using {folder}") from None
         raise
 
 
 def checkpoint_to_resume(folder, resume, job):
-    """The folder's checkpoint if this run may go on from it, else None or a UsageError."""
+    """The folder's checkpoint if this run may go on from it, or None."""
     state = load_checkpoint(folder)
     if state is None:
         metrics = os.path.join(folder, "metrics.jsonl")
         if resume:
-            raise UsageError(f"there is no checkpoint in {folder}: run without --resume")
+            raise UsageError(f"no checkpoint in {folder}: run without --resume")
         if read_file(metrics):
-            raise UsageError(f"{folder} holds metrics but no checkpoint: delete {metrics} "
-                             "to start again there, or pass another --run-dir")
+            raise UsageError(f"{folder} holds metrics, no checkpoint: delete {metrics}")
         return None
     restarted = job is not None and state["job"] == job  # torchrun restarted this job
     if not (resume or restarted):
-        raise UsageError(f"{folder} holds a checkpoint: add --resume to go on with it, "
-                         "or pass another --run-dir")
+        raise UsageError(f"{folder} holds a checkpoint: add --resume")
     return state
 
 
 def read_file(path):
-    """The bytes of the regular file at `path`, or None if there is none. No link is
-    followed (O_NOFOLLOW), no FIFO blocks (O_NONBLOCK), no huge file is read."""
+    """The regular file's bytes, or None. No link followed, no FIFO waited on, no
+    huge file read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as e:  # a link: ELOOP
-        raise UsageError(f"cannot read {path} ({e}): pass another --run-dir") from None
+        raise UsageError(f"cannot read {path} ({e})") from None
     with open(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CHECKPOINT_BYTES:
-            raise UsageError(f"{path} is no file this program wrote: pass another --run-dir")
+            raise UsageError(f"{path} is no file this program wrote: remove it")
         return f.read()
 
 
 def replace_file(path, write):
     """Writes a file whole or not at all: write(f) into PATH.tmp, made anew (no link
-    followed), flushed to the disk, then renamed over PATH."""
+    followed), flushed to the disk, renamed over PATH."""
     tmp = f"{path}.tmp"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
@@ -473,48 +466,46 @@ def replace_file(path, write):
         with open(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(fd)  # on the disk before the rename: a power loss leaves old or new
+            os.fsync(fd)  # on the disk before the rename: old or new survives
         os.replace(tmp, path)
-    except BaseException as e:  # a full disk, Ctrl-C: no half-written PATH.tmp stays
+    except BaseException as e:  # a full disk, Ctrl-C: no half-written file stays
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, RuntimeError) and e.__context__ is not None:
-            raise e.__context__ from None  # torch.save wraps what stopped it: a signal
+            raise e.__context__ from None  # torch.save wraps a signal
         raise
 
 
 @contextlib.contextmanager
 def writing(folder):
-    """Turns a failed write in the run folder into one line: its cause, what it holds."""
+    """Turns a failed write in the run folder into one line: why, what it holds."""
     try:
         yield
-    except (OSError, RuntimeError) as e:  # torch.save reports some failures so
+    except (OSError, RuntimeError) as e:  # torch.save's too
         raise UsageError(f"could not write in {folder} ({e}); {holds(folder)}") from None
 
 
 def load_checkpoint(folder):
-    """The folder's checkpoint, or None; a damaged or foreign one is a UsageError."""
+    """The folder's checkpoint, or None; a damaged or foreign one is refused."""
     path = os.path.join(folder, "checkpoint.pt")
     data = read_file(path)
     if data is None:
         return None
     try:
-        # A checkpoint is untrusted input. A zip states each record's size, so what it
-        # unpacks to is bounded; weights_only runs no pickled code.
+        # Untrusted input: a zip states its size, and weights_only runs no code
         records = zipfile.ZipFile(io.BytesIO(data)).infolist()
         if sum(record.file_size for record in records) > MAX_CHECKPOINT_BYTES:
-            raise ValueError("it unpacks to more than MAX_CHECKPOINT_BYTES")
+            raise ValueError("it unpacks to too much")
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         check_checkpoint(state)
-    except Exception as e:  # not a zip, truncated, not tensors and plain types, too deep
+    except Exception as e:  # not a zip, truncated, foreign types, too deep
         raise UsageError(f"{path} is not a checkpoint of this amp_train.py "
-                         f"({type(e).__name__}: {str(e)[:100]}): start again in another "
-                         "--run-dir") from None
+                         f"({type(e).__name__}: {str(e)[:80]})") from None
     return state
 
 
 def check_checkpoint(state):
-    """Raises ValueError unless `state` holds what save_run writes, known good."""
+    """Raises ValueError unless `state` is what save_run writes, known good."""
     typed = all(type(state[key]) in kinds for key, kinds in CHECKPOINT_FIELDS.items())
     if not (typed and state["format"] == CHECKPOINT_FORMAT
             and len(state["metrics"]) == state["epoch"]  # one line an epoch
@@ -523,8 +514,8 @@ def check_checkpoint(state):
 
 
 def known_good(value):
-    """True if every number in `value` is finite and not negative, and every tensor is an
-    int64 one or a finite float32 one (the dtypes of the model and its optimizer)."""
+    """True if each number in `value` is finite, not negative, and each tensor a finite
+    float32 or an int64 one, the model's dtypes."""
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
@@ -536,57 +527,53 @@ def known_good(value):
 
 
 def resume_args(argv, state, device):
-    """The checkpoint's flags, replaced by those given again, and a note for each."""
+    """The checkpoint's flags, replaced by those given again, with a note each."""
     saved = [f"--{key.replace('_', '-')}={state['args'].get(key)}" for key in RUN_FLAGS]
-    try:  # the checkpoint's flags pass the command line's checks, or the file is refused
+    try:  # they pass the command line's checks
         before = parse_args(saved)
     except UsageError as e:
-        raise UsageError(f"the checkpoint holds flags this program refuses ({e}): "
-                         "start again in another --run-dir") from None
+        raise UsageError(f"the checkpoint's flags are refused ({e})") from None
     args = parse_args(saved + argv)
     args.precision = resolve_precision(args.precision, device, args.example)
-    changed = [key for key in RUN_FLAGS[1:] if getattr(args, key) != getattr(before, key)]
     # RUN_FLAGS[1:]: all but --epochs, which a resumed run raises
+    changed = [key for key in RUN_FLAGS[1:] if getattr(args, key) != getattr(before, key)]
     if "data" in changed:
-        raise UsageError(f"the checkpoint was trained on --data {before.data}: resume on it")
+        raise UsageError(f"the checkpoint was trained on --data {before.data}")
     notes = [f"note: --{key.replace('_', '-')} {getattr(args, key)} replaces the "
              f"checkpoint's {getattr(before, key)}" for key in changed]
     return args, notes + [f"resumed from {args.run_dir} after epoch {state['epoch']}"]
 
 
 def restore(state, model, optimizer, scaler):
-    """Loads a checkpoint's trained state in place, checked against the model: weights,
-    the optimizer's per-parameter state, the loss scale. Hyperparameters are the flags'."""
-    shapes = [p.shape for p in model.parameters()]
+    """Loads a checkpoint in place, checked against the model: weights, optimizer
+    state, loss scale; hyperparameters are the flags'."""
+    params = list(model.parameters())
     try:
         model.load_state_dict(state["model"])  # another key or shape raises
-        for index, buffers in state["optimizer"].items():  # momentum, as its weight
-            if any(t.shape != shapes[index] for t in buffers.values()):  # else memory breaks
+        for index, buffers in state["optimizer"].items():  # another shape breaks memory
+            if any(t.shape != params[index].shape for t in buffers.values()):
                 raise ValueError(f"optimizer state that does not fit parameter {index}")
         groups = optimizer.state_dict()["param_groups"]  # this run's lr, momentum
         optimizer.load_state_dict({"state": state["optimizer"], "param_groups": groups})
     except (AttributeError, IndexError, KeyError, RuntimeError, ValueError) as e:
-        raise UsageError(f"the checkpoint does not fit this run ({' '.join(str(e).split())}):"
-                         " start again in another --run-dir") from None
+        raise UsageError(f"the checkpoint does not fit ({' '.join(str(e).split())})") from None
     if state["args"]["precision"] == "fp16":  # a disabled scaler takes nothing
         scaler.load_state_dict({**scaler.state_dict(), "scale": state["loss_scale"],
                                 "_growth_tracker": state["growth_tracker"]})
 
 
 def save_run(args, job, metrics, model, optimizer, scaler, checkpoint=True):
-    """With --run-dir, on rank 0: writes the metrics file whole from `metrics` (never read
-    back: no line twice or torn) and the checkpoint of epoch len(metrics): all that a
-    resumed run needs."""
+    """With --run-dir, on rank 0: the metrics file, whole (never read back), and the
+    checkpoint of epoch len(metrics): all a resume needs."""
     if args.run_dir is None or rank_and_world()[0] != 0:
         return
-    scaler_state = scaler.state_dict()  # {} when disabled: bf16 and fp32 have no scale
-    state = {"format": CHECKPOINT_FORMAT, "example": args.example, "job": job,
+    state = {"format": CHECKPOINT_FORMAT, "job": job,
              "epoch": len(metrics),
              "args": {key: getattr(args, key) for key in RUN_FLAGS},
              "metrics": metrics, "model": dict(model.state_dict()),
              "optimizer": optimizer.state_dict()["state"],
              "loss_scale": scaler.get_scale(),  # 1.0 without fp16
-             "growth_tracker": scaler_state.get("_growth_tracker", 0)}
+             "growth_tracker": scaler.state_dict().get("_growth_tracker", 0)}
     text = "".join(metrics).encode()
     with writing(args.run_dir):
         replace_file(os.path.join(args.run_dir, "metrics.jsonl"), lambda f: f.write(text))
@@ -596,21 +583,21 @@ def save_run(args, job, metrics, model, optimizer, scaler, checkpoint=True):
 
 
 def holds(folder):
-    """What the run folder holds, read from it: the last words of a run that stops."""
+    """What the run folder holds, read from it: a stopped run's last words."""
     if folder is None:
         return "nothing is saved without --run-dir"
     try:
         state = load_checkpoint(folder)
     except UsageError:
         return f"{folder}'s checkpoint cannot be read"
-    return f"{folder} holds epoch {state['epoch']}" if state else f"nothing was saved in {folder}"
+    return f"{folder} holds epoch {state['epoch']}" if state else f"{folder} holds nothing"
 
 
-# -------------------- the training examples
+# ---------- the training examples
 
 def run_training(args, device, state=None, notes=(), job=None):
-    """The resnet and linear examples: train, test, print and (with --run-dir) save each
-    epoch; returns 0, or 1 if training diverged. Rank 0 alone prints and writes."""
+    """The resnet and linear examples: train, test, print, save each epoch; returns
+    0, or 1 if training diverged. Rank 0 alone prints and writes."""
     rank, world_size = rank_and_world()
     log = say if rank == 0 else lambda line, file=None: None
     amp_dtype = PRECISIONS[args.precision]
@@ -624,19 +611,19 @@ def run_training(args, device, state=None, notes=(), job=None):
         metrics = state["metrics"]
     log("\n".join([header(args, device, scaler), *notes, *cpu_notes(args, device)]))
     if len(metrics) >= args.epochs:
-        log(f"nothing to do: the checkpoint has {len(metrics)} epochs; raise --epochs")
+        log(f"nothing to do: the checkpoint has {len(metrics)} epochs")
         return 0
-    # DDP averages the gradients in backward, so every process's scaler sees the same.
+    # DDP averages the gradients in backward: every process's scaler sees the same.
     ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
-    save_run(args, job, metrics, model, optimizer, scaler)  # each write tried before training
+    save_run(args, job, metrics, model, optimizer, scaler)  # each write tried first
     for epoch in range(len(metrics), args.epochs):
         set_lr(optimizer, args, epoch)
-        train_loader.set_epoch(epoch)  # the order and the crops depend on (seed, epoch)
+        train_loader.epoch = epoch  # order and crops depend on (seed, epoch)
         stats = train_epoch(ddp_model, train_loader, optimizer, criterion, scaler, device,
                             amp_dtype, clip_grad_norm=args.clip_grad_norm or None,
                             accum_steps=args.accum_steps, max_steps=max_steps,
                             log_seconds=PROGRESS_SECONDS if rank == 0 else math.inf)
-        if world_size > 1:  # BatchNorm's statistics: all test rank 0's model
+        if world_size > 1:  # BatchNorm's statistics: all test rank 0's
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         tested = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps)
@@ -646,8 +633,8 @@ def run_training(args, device, state=None, notes=(), job=None):
         problem, stop_run = epoch_problem(record, model)
         save_run(args, job, metrics, model, optimizer, scaler, checkpoint=not problem)
         if stop_run:
-            log(f"error: epoch {epoch + 1}: {problem}; {holds(args.run_dir)}; try a lower "
-                "--lr or --clip-grad-norm", sys.stderr)
+            log(f"error: epoch {epoch + 1}: {problem}; {holds(args.run_dir)}; lower --lr",
+                sys.stderr)
             return 1
         if problem:
             log(f"note: epoch {epoch + 1} is not saved, {problem}; {holds(args.run_dir)}")
@@ -655,7 +642,6 @@ def run_training(args, device, state=None, notes=(), job=None):
 
 
 def header(args, device, scaler):
-    """The run's first line: what trains, where and how."""
     scaling = "on" if scaler.is_enabled() else "off"
     data = "one batch" if args.example == "linear" else args.data
     return (f"amp_train | example {args.example} | torch {torch.__version__} | device "
@@ -665,7 +651,7 @@ def header(args, device, scaler):
 
 
 def set_lr(optimizer, args, epoch):
-    """The post's StepLR(10, 0.1) for resnet, from --lr; the linear example's stays."""
+    """The post's StepLR(10, 0.1) from --lr for resnet; linear's stays."""
     decays = 0 if args.example == "linear" else epoch // LR_STEP_EPOCHS
     for group in optimizer.param_groups:
         group["lr"] = args.lr * LR_GAMMA ** decays
@@ -673,13 +659,12 @@ def set_lr(optimizer, args, epoch):
 
 def epoch_record(args, epoch, optimizer, stats, tested, device):
     """An epoch's metrics, summed over all processes."""
-    sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"],
-                         tested["loss"] * tested["samples"],
-                         tested["accuracy"] * tested["samples"], tested["samples"]],
-                        dtype=torch.float64, device=device)
+    sums = [stats["loss"] * stats["samples"], stats["samples"], tested["samples"],
+            tested["loss"] * tested["samples"], tested["accuracy"] * tested["samples"]]
+    sums = torch.tensor(sums, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(sums)
-    loss_sum, samples, test_loss_sum, correct, test_samples = sums.tolist()
+    loss_sum, samples, test_samples, test_loss_sum, correct = sums.tolist()
     record = {"example": args.example, "precision": args.precision, "epoch": epoch + 1,
               "train_loss": loss_sum / max(samples, 1)}
     if args.example == "resnet":
@@ -692,30 +677,26 @@ def epoch_record(args, epoch, optimizer, stats, tested, device):
 
 
 def json_line(record):
-    """The record as a line of JSON, which has no inf or NaN: null stands for them."""
-    text = json.dumps(record)  # writes NaN, Infinity, -Infinity: no record key holds these
-    for word in ("-Infinity", "Infinity", "NaN"):
-        text = text.replace(word, "null")
-    return text + "\n"
+    """The record as a line of JSON, with null for inf and NaN, which JSON lacks."""
+    text = json.dumps(record).replace("-Infinity", "null")  # no key holds these words
+    return text.replace("Infinity", "null").replace("NaN", "null") + "\n"
 
 
 def epoch_problem(record, model):
-    """Why this epoch must not be saved, and whether the run must stop: (reason, stop),
-    or (None, False). A skipped fp16 step is the scaler at work, unless it skips all."""
+    """(Why this epoch is not saved, whether the run must stop), or (None, False)."""
     tensors = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
-    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()  # one sync
-    if not all(finite):  # NaN weights, or BatchNorm statistics of an inf batch, stay NaN
+    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()  # a sync
+    if not all(finite):  # NaN weights or BatchNorm statistics stay
         return f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN", True
-    if record["loss_scale"] < MIN_LOSS_SCALE:  # the gradients overflow however small
+    if record["loss_scale"] < MIN_LOSS_SCALE:
         return f"the loss scale fell to {record['loss_scale']:g}: inf/NaN gradients", True
-    for key in ("train_loss", "test_loss"):
-        if not math.isfinite(record.get(key, 0.0)):  # in fp16, the scaler skipped that step
-            return f"its {key.replace('_', ' ')} is {record[key]}", False
+    losses = record["train_loss"], record.get("test_loss", 0.0)
+    if not math.isfinite(sum(losses)):  # in fp16, the scaler skipped that step
+        return "its mean train or test loss is inf/NaN", False
     return None, False
 
 
 def epoch_line(record, epochs):
-    """The epoch's log line: fixed format, units, greppable."""
     line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}"
     line += f" | train loss {record['train_loss']:.4f}"
     if "test_loss" in record:
@@ -726,13 +707,12 @@ def epoch_line(record, epochs):
             f"{record['seconds']:.3f} s")
 
 
-# -------------------- the memory example
+# ---------- the memory example
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Bytes that autograd saves for backward inside the block, filled in on exit:
-    activations (they grow with the batch; autocast halves them) and autocast's copies of
-    the weights."""
+    """Bytes saved for backward in the block (on exit): activations, which grow with
+    the batch, and autocast's weight copies."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_ids = set(map(id, model.parameters()))
     saved = {}  # data_ptr -> (bytes, a copy of a weight?)
@@ -755,8 +735,8 @@ def count_saved_tensors(model):
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_STEPS, lr=LR):
-    """Trains a copy of `model` on one batch: warm-up steps, one whose saved tensors are
-    counted, then `steps` timed ones and, on CUDA, their peak memory."""
+    """Trains a copy of `model` on one batch: warm-up, a step whose saved tensors are
+    counted, `steps` timed ones (and CUDA's peak memory)."""
     model = copy.deepcopy(model)
     optimizer, scaler = make_optimizer(model, lr), make_scaler(device, amp_dtype)
 
@@ -768,10 +748,10 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_ST
         step()
     if device.type == "cuda":
         gc.collect()
-        torch.cuda.empty_cache()  # so that the reserved peak is this run's alone
+        torch.cuda.empty_cache()  # the reserved peak: this run's alone
         torch.cuda.reset_peak_memory_stats(device)
     seconds = [step()["seconds"] for _ in range(steps)]
-    if device.type == "cuda":  # reserved: what the caching allocator holds, and runs out of
+    if device.type == "cuda":  # reserved: what the allocator holds, and runs out of
         measured["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         measured["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return {**measured, "step_seconds": statistics.median(seconds),
@@ -779,31 +759,29 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_ST
 
 
 def run_memory(args, device):
-    """The post's claims, measured: one model and batch in fp32 and in AMP, side by side.
-    A generator: says which precision it measures, then yields the report's lines."""
+    """The post's claims measured: a model and batch in fp32 and AMP. Yields a line as
+    each starts, then the report."""
     if args.precision == "fp32":
-        raise UsageError("--example memory compares fp32 with AMP: use --precision fp16/bf16")
-    example = argparse.Namespace(**vars(args))
+        raise UsageError("--example memory compares fp32 with fp16 or bf16")
+    example = argparse.Namespace(**{**vars(args), "data": "synthetic"})
     example.example = "linear" if args.model == "linear" else "resnet"
-    example.data = "synthetic"
     torch.manual_seed(args.seed)
     model, criterion, loader, _ = build_example(
         example, device, imagenet_stem=args.model == "resnet18-imagenet")
     batch = next(iter(loader))
     runs = {}
     for precision in ("fp32", args.precision):
-        yield f"measuring {precision}: {MEMORY_WARMUP_STEPS} warm-up + {args.steps} timed steps"
+        yield f"measuring {precision}: {MEMORY_WARMUP_STEPS} + {args.steps} steps"
         try:
             runs[precision] = measure_training(model, batch, criterion, device,
                                                PRECISIONS[precision], args.steps, args.lr)
         except ValueError as e:  # BatchNorm of 1x1 maps and a batch of one
-            raise UsageError(f"{args.model} cannot train on this batch ({e}): raise "
-                             "--batch-size") from None
+            raise UsageError(f"{e}: raise --batch-size") from None
     yield from memory_report(args, device, runs["fp32"], runs[args.precision])
 
 
 def memory_report(args, device, fp32, amp):
-    """The memory example's table, its verdict and, when the step times vary, a warning."""
+    """The memory example's table, verdict, and a warning if times vary."""
     def cell(key, x):
         if key.endswith("bytes"):
             return f"{x / 2**20:.2f} MiB" if x >= 2**20 else f"{x / 2**10:.2f} KiB"
@@ -816,28 +794,28 @@ def memory_report(args, device, fp32, amp):
     step = amp["step_seconds"] / fp32["step_seconds"]
     memory = amp["activation_bytes"] / fp32["activation_bytes"]
     faster = "faster" if step < 1 else "not faster"
-    yield (f"verdict: {args.model}, batch {args.batch_size}, {device_label(device)}, torch "
-           f"{torch.__version__}: a {name} step takes {step:.2f}x fp32's time and "
+    yield (f"verdict: {args.model}, batch {args.batch_size}, {device_label(device)}, "
+           f"torch {torch.__version__}: a {name} step takes {step:.2f}x fp32's time, "
            f"{memory:.2f}x its activation memory; AMP is {faster} here")
     spread = max(fp32["step_seconds_max"] / fp32["step_seconds_min"],
                  amp["step_seconds_max"] / amp["step_seconds_min"])
     if spread > NOISY_SPREAD:
         yield (f"warning: noisy timings (a step took up to {spread:.1f}x the fastest): "
-               "another process is using the device; rerun when it is idle")
+               "rerun when nothing else runs")
 
 
-# -------------------- command line
+# ---------- command line
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2 through main(), not usage and exit
+    def error(self, message):  # one line and exit 2, through main()
         raise UsageError(f"{message} (see --help)")
 
 
 def number(kind, low, high):
-    """An argparse type: a `kind` from `low` to `high`, both included."""
+    """An argparse type: a `kind` in [low, high]."""
     def parse(text):
-        value = kind(text)  # a ValueError reads "invalid int value: 'x'"
-        if not low <= value <= high:  # NaN fails too
+        value = kind(text)  # or "invalid int value: 'x'"
+        if not low <= value <= high:  # NaN too
             raise argparse.ArgumentTypeError(f"{text} is not in [{low!r}, {high!r}]")
         return value
     parse.__name__ = kind.__name__
@@ -847,34 +825,28 @@ def number(kind, low, high):
 def parse_args(argv):
     largest = torch.finfo(torch.float32).max
     count, limit = number(int, 1, 2**31 - 1), number(int, 0, 2**31 - 1)
-    p = ArgumentParser(description="AMP training: the blog post's programs, fixed.",
+    p = ArgumentParser(description="The blog post's programs, fixed.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
-    add("--example", choices=["resnet", "linear", "memory"], default="resnet",
-        help="the program")
-    add("--device", choices=["auto", "cpu", "cuda"], default="auto",
-        help="auto: cuda if one is visible")
+    add("--example", choices=["resnet", "linear", "memory"], default="resnet")
+    add("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if seen")
     add("--precision", choices=["auto", *PRECISIONS], default="auto",
-        help="auto: fp16 (with a GradScaler) on CUDA; bf16 on a CPU with bf16 "
-             "instructions (AMX, AVX512-BF16), else fp32; fp32: no AMP")
-    add("--epochs", type=count, default=EPOCHS, help="linear: iterations on its batch")
-    add("--batch-size", type=count, default=BATCH_SIZE,
-        help="per step and process; for linear, its one batch, shared out")
-    add("--lr", type=number(float, math.ulp(0.0), largest), default=LR, help="SGD's lr")
-    add("--data", choices=["cifar10", "synthetic"], default="cifar10",
-        help="synthetic: offline")
-    add("--data-root", default="./data", help="the folder of CIFAR-10")
-    add("--max-steps", type=limit, default=0,
-        help="end each epoch after this many steps (and test batches); 0: all")
+        help="auto: fp16 on CUDA; on a CPU bf16 if it has bf16 instructions, else fp32")
+    add("--epochs", type=count, default=EPOCHS, help="linear: steps on its batch")
+    add("--batch-size", type=count, default=BATCH_SIZE, help="a process's")
+    add("--lr", type=number(float, math.ulp(0.0), largest), default=LR)
+    add("--data", choices=["cifar10", "synthetic"], default="cifar10")
+    add("--data-root", default="./data", help="CIFAR-10's folder")
+    add("--max-steps", type=limit, default=0, help="steps (and test batches) an epoch")
     add("--clip-grad-norm", type=number(float, 0.0, largest), default=0.0,
-        help="clip the gradients to this norm, after unscaling; 0: no clipping")
-    add("--accum-steps", type=count, default=1, help="micro-batches per optimizer step")
-    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl")
+        help="clip the gradients to this norm")
+    add("--accum-steps", type=count, default=1, help="micro-batches a step")
+    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt, DIR/metrics.jsonl")
     add("--resume", action="store_true", help="go on with the run in --run-dir")
     add("--model", choices=["resnet18", "resnet18-imagenet", "linear"], default="resnet18",
-        help="memory's model; resnet18-imagenet has the post's stem")
-    add("--steps", type=count, default=MEMORY_STEPS, help="memory: timed steps")
-    add("--seed", type=number(int, 0, 2**32 - 1), default=0, help="of weights, data, crops")
+        help="memory's; resnet18-imagenet has the post's stem")
+    add("--steps", type=count, default=MEMORY_STEPS, help="memory's timed steps")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=0)
     args = p.parse_args(argv)
     if args.run_dir is not None and args.example == "memory":
         raise UsageError("--run-dir is for the resnet and linear examples")
@@ -883,9 +855,8 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None):
-    """The command line; returns the exit status. A signal anywhere ends in one line."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+def main(argv):
+    """The command line; returns the exit status. A signal ends in one line."""
     run = {"dir": None, "lock": None}  # the run folder, once taken
     try:
         return report_errors(argv, run)
@@ -897,13 +868,13 @@ def main(argv=None):
     finally:
         if run["lock"] is not None:
             os.close(run["lock"])
-        if dist.is_initialized():  # DDP holds the group in reference cycles: gloo aborted
+        if dist.is_initialized():  # DDP's cycles hold the group: gloo aborted
             gc.collect()
             dist.destroy_process_group()
 
 
 def report_errors(argv, run):
-    """run_example(), with each error a user can cause as one line and its exit status."""
+    """run_example(), a user's error as one line and an exit status."""
     try:
         return run_example(argv, run)
     except UsageError as e:
@@ -911,12 +882,11 @@ def report_errors(argv, run):
         return e.status
     except RuntimeError as e:
         if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-            say("error: out of memory: lower --batch-size (--accum-steps K keeps the batch "
-                "of an optimizer step)", sys.stderr)
+            say("error: out of memory: lower --batch-size", sys.stderr)
             return 2
         if not dist.is_initialized():
             raise
-        # Mostly a peer that died or hung (gloo raises plain RuntimeErrors): torchrun restarts
+        # Mostly a peer that died (gloo's are plain RuntimeErrors): torchrun restarts
         where = f"; {holds(run['dir'])}" if rank_and_world()[0] == 0 else ""
         say(f"error: the process group failed ({str(e).splitlines()[0][:200]}){where}",
             sys.stderr)
@@ -924,12 +894,12 @@ def report_errors(argv, run):
 
 
 def run_example(argv, run):
-    """Parses the flags, sets up device, processes and run folder; runs the example."""
+    """Sets up device, processes and run folder; runs the example."""
     args = parse_args(argv)
     device = resolve_device(args.device)
-    if device.type == "cuda":  # this process's GPU, for what asks the current one (NCCL)
+    if device.type == "cuda":  # for what asks the current GPU
         torch.cuda.set_device(device)
-    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: time kernels once
+    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: time once
     args.precision = resolve_precision(args.precision, device, args.example)
     job = init_distributed(device)
     run["dir"] = args.run_dir
@@ -941,17 +911,17 @@ def run_example(argv, run):
     if args.example != "memory":
         status = run_training(args, device, state, notes, job)
         if dist.is_initialized():
-            dist.barrier()  # every process ends its last collective before any leaves
+            dist.barrier()  # all end their last collective before any leaves
         return status
-    say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
-        f"{args.model} | batch {args.batch_size} | precision {args.precision}")
+    say(f"memory | torch {torch.__version__} | device {device_label(device)} | "
+        f"model {args.model} | batch {args.batch_size}")
     for line in itertools.chain(cpu_notes(args, device), run_memory(args, device)):
         say(line)
     return 0
 
 
 def take_run_dir(args, job, run):
-    """Rank 0 takes the run folder; every process gets its checkpoint, or its error."""
+    """Rank 0 takes the run folder; all get its checkpoint, or error."""
     state = [None]
     if rank_and_world()[0] == 0:
         try:
@@ -966,8 +936,8 @@ def take_run_dir(args, job, run):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, stop)  # from here on a signal ends main() on one line
+    signal.signal(signal.SIGINT, stop)  # a signal ends main() in one line
     signal.signal(signal.SIGTERM, stop)
-    status = main()
-    ignore_signals()  # the run is over; torch's teardown at exit takes a while
+    status = main(sys.argv[1:])
+    ignore_signals()  # the run is over; torch's teardown takes a while
     sys.exit(status)

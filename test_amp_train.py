@@ -650,7 +650,7 @@ def test_each_process_takes_gpu_local_rank_with_cudnn_benchmark(monkeypatch, cap
     assert seen == {"device": torch.device("cuda", 1), "benchmark": True, "precision": "bf16"}
     assert current == [torch.device("cuda", 1)]
     monkeypatch.setenv("LOCAL_RANK", "2")  # three processes would share two GPUs
-    assert "no GPU of its own" in run_bad(["--example", "linear", "--device", "cuda"], capsys)
+    assert "has no GPU" in run_bad(["--example", "linear", "--device", "cuda"], capsys)
 
 
 def test_bf16_on_a_gpu_without_it_exits_2(monkeypatch, capsys):
@@ -676,7 +676,7 @@ def test_world_size_without_the_rest_of_torchruns_environment_exits_2(monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    assert "start with torchrun" in run_bad(LINEAR, capsys)
+    assert "use torchrun" in run_bad(LINEAR, capsys)
 
 
 def test_processes_that_cannot_meet_end_in_one_line_naming_the_cause(monkeypatch, capsys):
@@ -872,7 +872,7 @@ def dying(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*args, **kwargs)
 amp_train.train_epoch = dying
-sys.exit(amp_train.main())
+sys.exit(amp_train.main(sys.argv[1:]))
 """)
     argv = [*LINEAR, "--epochs", "1000", "--run-dir", str(tmp_path / "run")]
 
@@ -897,7 +897,7 @@ def dying(path, write):  # kill -9 in round 0, after epoch 1's metrics, before i
         os.kill(os.getpid(), signal.SIGKILL)
     real(path, write)
 amp_train.replace_file = dying
-sys.exit(amp_train.main())
+sys.exit(amp_train.main(sys.argv[1:]))
 """
 
 
@@ -1023,7 +1023,7 @@ def test_missing_cifar10_exits_2_and_says_what_to_do(tmp_path, monkeypatch, caps
 
 
 def epoch_batches(loader, epoch):
-    loader.set_epoch(epoch)
+    loader.epoch = epoch
     return [(inputs.clone(), targets.clone()) for inputs, targets in loader]
 
 
@@ -1225,23 +1225,23 @@ COMPLEX_INF = torch.full((1, 10), complex(math.inf, 0))
     (lambda path: torch.save({"x": CreatesAFile(f"{path}.pwned")}, path), "UnpicklingError"),
     (lambda path: (a_linear_run(path), path.write_bytes(path.read_bytes()[:200])), "BadZipFile"),
     (edited(save={"_use_new_zipfile_serialization": False}), "BadZipFile"),
-    (zip_bomb, "unpacks to more"), (lambda path: path.write_bytes(bytes(2**20 + 1)), "no file this"),
+    (zip_bomb, "unpacks to too much"), (lambda path: path.write_bytes(bytes(2**20 + 1)), "no file this"),
     (nested, "RecursionError"), (edited(epoch=float("inf")), "damaged"),
     (edited(epoch=-5), "damaged"), (edited(epoch=True), "damaged"), (edited(epoch=0), "damaged"),
     (edited(metrics="1, 2"), "damaged"), (edited(model=None), "KeyError"),
-    (edited(args={"lr": 0.01}), "flags this program refuses"),
-    (edited(args__lr=0.0), "flags this program refuses"), (edited(args__lr=-1.0), "damaged"),
-    (edited(args__precision=None), "flags this program refuses"),
+    (edited(args={"lr": 0.01}), "flags are refused"),
+    (edited(args__lr=0.0), "flags are refused"), (edited(args__lr=-1.0), "damaged"),
+    (edited(args__precision=None), "flags are refused"),
     (edited(loss_scale="65536"), "damaged"), (edited(loss_scale=[1.0]), "damaged"),
     (edited(loss_scale=0.0), "damaged"), (edited(loss_scale=-1.0), "damaged"),
-    (edited(model={"weight": torch.zeros(3)}), "does not fit this run"),
+    (edited(model={"weight": torch.zeros(3)}), "does not fit"),
     (edited(model={"weight": torch.full((1, 10), math.nan), "bias": torch.zeros(1)}), "damaged"),
     (edited(model={"weight": COMPLEX_INF, "bias": torch.zeros(1)}), "damaged"),
     (edited(model={"weight": torch.zeros(1, 10, dtype=torch.float64), "bias": torch.zeros(1)}),
      "damaged"),
     # Momentum of 3 for a weight of 10: loading it once corrupted memory (SIGABRT).
-    (edited(optimizer={0: {"momentum_buffer": torch.zeros(3)}}), "does not fit this run"),
-    (edited(optimizer={0: "x"}), "does not fit this run"),
+    (edited(optimizer={0: {"momentum_buffer": torch.zeros(3)}}), "does not fit"),
+    (edited(optimizer={0: "x"}), "does not fit"),
 ])
 def test_a_bad_checkpoint_exits_2_in_one_line_and_nothing_is_touched(make, says, tmp_path,
                                                                      monkeypatch, capsys):
@@ -1356,7 +1356,7 @@ def test_one_run_owns_its_folder(tmp_path, capsys):
 def test_metrics_without_a_checkpoint_are_kept_and_the_command_named_works(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 1}\n')  # someone's, or a lost run's
     err = run_bad(LINEAR + ["--epochs", "2", "--run-dir", str(tmp_path)], capsys)
-    assert f"delete {tmp_path / 'metrics.jsonl'} to start again" in err, err
+    assert err.endswith(f"no checkpoint: delete {tmp_path / 'metrics.jsonl'}\n"), err
     assert "run without --resume" in run_bad(LINEAR + ["--run-dir", str(tmp_path), "--resume"],
                                              capsys)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
@@ -1563,8 +1563,7 @@ def test_a_diverged_epoch_is_recorded_as_null_and_the_run_stops(tmp_path, capsys
     assert amp_train.main(argv) == 1
     err = capsys.readouterr().err
     assert re.fullmatch(rf"error: epoch 2: the model's \w+ holds inf/NaN; "
-                        rf"{re.escape(str(tmp_path))} holds epoch 1; try a lower --lr or "
-                        r"--clip-grad-norm\n", err), err
+                        rf"{re.escape(str(tmp_path))} holds epoch 1; lower --lr\n", err), err
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "Infinity" not in text and "NaN" not in text, "the file must be standard JSON"
     assert [r["train_loss"] is None for r in read_metrics(tmp_path / "metrics.jsonl")] == [
@@ -1579,7 +1578,8 @@ def test_an_epoch_with_a_nan_test_loss_is_not_saved_and_the_run_goes_on(tmp_path
         **evaluate(*args), "loss": math.nan if len(calls) == 1 else 1.0})
     assert amp_train.main(RESNET + ["--epochs", "2", "--run-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert f"note: epoch 1 is not saved, its test loss is nan; {tmp_path} holds epoch 0" in out
+    assert f"note: epoch 1 is not saved, its mean train or test loss is inf/NaN; {tmp_path} " \
+           "holds epoch 0" in out
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 2
 
 
@@ -1649,15 +1649,15 @@ def test_the_memory_example_says_what_it_measures_then_compares_and_gives_a_verd
     argv = ["--device", "cpu", "--example", "memory", "--model", "linear", "--steps", "2"]
     assert amp_train.main(argv + ["--precision", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert seen[0].startswith("memory | torch ") and "| model linear | batch 128 |" in seen[0]
+    assert seen[0].startswith("memory | torch ") and "| model linear | batch 128" in seen[0]
     assert [s.splitlines()[-1] for s in seen] == [
-        "measuring fp32: 3 warm-up + 2 timed steps", "measuring bf16: 3 warm-up + 2 timed steps"]
+        "measuring fp32: 3 + 2 steps", "measuring bf16: 3 + 2 steps"]
     assert re.search(r"^ +fp32 +bf16 +bf16/fp32$", out, re.M), out
     assert re.search(r"^activation_bytes +[\d.]+ KiB +[\d.]+ KiB +0\.\d\d$", out, re.M), out
     assert re.search(r"^weight_copy_bytes +0\.00 KiB +[\d.]+ KiB +n/a$", out, re.M), out
     assert re.search(r"^step_seconds_max +[\d.]+ ms +[\d.]+ ms +[\d.]+$", out, re.M), out
     assert re.search(r"^verdict: linear, batch 128, cpu \(bf16: .*\), torch .*: a bf16 step "
-                     r"takes [\d.]+x fp32's time and 0\.\d\dx its activation memory; AMP is "
+                     r"takes [\d.]+x fp32's time, 0\.\d\dx its activation memory; AMP is "
                      r"(not )?faster here$", out, re.M), out
 
 
