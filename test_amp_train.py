@@ -27,6 +27,7 @@ LINEAR_FP16 = LINEAR + ["--precision", "fp16"]
 RESNET = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--max-steps", "2",
           "--batch-size", "4", "--precision", "fp32"]
 RESNET18 = amp_train.resnet18
+NOTHING = "nothing is saved without --run-dir"
 
 
 def small_model(imagenet_stem=False):
@@ -148,75 +149,47 @@ def readme_blocks(heading):
     return re.findall(r"```python\n(.*?)\n```", section, re.S)
 
 
-def test_the_readme_block_is_train_epoch_and_comes_early():
-    assert inspect.getsource(amp_train.train_epoch) in readme_blocks("## Copy this")[0]
-    assert README[:README.index("## Copy this")].count("\n") < 120, "Copy this comes late"
-
-
-def test_the_readme_block_runs_as_pasted_and_its_call_line_trains():
-    model, optimizer, _ = linear_setup(lr=0.1)
-    user = {"model": model, "optimizer": optimizer, "criterion": MSE, "device": "cpu",
-            "loader": generator_of(split(32, 8))}  # what a user's script has
-    before = model.weight.detach().clone()
+def test_readme_block_is_train_epoch_pastes_alone_and_is_the_docs_loop():
     block = readme_blocks("## Copy this")[0]
+    assert inspect.getsource(amp_train.train_epoch) in block, "README and the module differ"
+    assert README[:README.index("## Copy this")].count("\n") < 120, "Copy this comes late"
+    batches, (model, optimizer, _), (reference, ref_optimizer, _) = split(24, 8, 2), *[
+        linear_setup(lr=0.1) for _ in range(2)]
+    user = {"model": model, "optimizer": optimizer, "criterion": MSE, "device": "cpu",
+            "loader": generator_of(batches)}  # all a user's script has
     exec(compile(block, "README.md", "exec"), user)
-    assert user["amp_dtype"] is BF16 and torch.equal(model.weight, before), "bf16, no training"
+    assert user["amp_dtype"] is BF16 and torch.equal(model.weight, reference.weight), "trained"
+    user["amp_dtype"] = None  # fp32, as the docs' loop
     exec(re.search(r"^#\s+(stats = train_epoch\(.*\))$", block, re.M).group(1), user)
-    assert (user["stats"]["steps"], user["stats"]["samples"]) == (4, 32), user["stats"]
-    assert not torch.equal(model.weight, before), "the call line did not train"
-
-
-def test_train_epoch_pastes_alone_and_is_the_docs_loop_bit_for_bit():
-    pasted = {}
-    exec("import contextlib, itertools, time, torch\n"  # the imports README names
-         + inspect.getsource(amp_train.train_epoch), pasted)
-    model, optimizer, _ = linear_setup(lr=0.1)
-    batches = split(24, 8, seed=2)
-    stats = pasted["train_epoch"](model, generator_of(batches), optimizer, MSE, None, "cpu", None)
-    reference, ref_optimizer, _ = linear_setup(lr=0.1)
     docs_loop(reference, batches, ref_optimizer)
     assert torch.equal(model.weight, reference.weight), (model.weight, reference.weight)
+    stats = user["stats"]
     assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (3, 0, 1.0), stats
-    doc = amp_train.train_epoch.__doc__  # the keys, and the scheduler, this function's choice
+    doc = amp_train.train_epoch.__doc__  # the keys, and the scheduler: this function's choice
     assert all(f'"{key}"' in doc for key in stats) and "(our choice: no sync)" in doc, doc
 
 
-def test_a_gradient_left_before_the_call_never_reaches_a_step():
-    x, y = linear_batch(16)
-    model, optimizer, _ = linear_setup()
-    MSE(model(x * 100), y).backward()  # a micro-batch that raised, retried smaller
-    train(model, [(x, y)], optimizer)
-    clean, clean_optimizer, _ = linear_setup()
-    train(clean, [(x, y)], clean_optimizer)
-    assert torch.equal(model.weight, clean.weight), (model.weight - clean.weight).abs().max()
-
-
-@pytest.mark.parametrize("scaler", [None, torch.amp.GradScaler("cpu", enabled=False)])
-def test_fp16_without_an_enabled_scaler_is_refused_at_once(scaler):
-    model, optimizer, _ = linear_setup()
-    with pytest.raises(ValueError, match=r"torch\.amp\.GradScaler"):
-        train(model, split(4, 4), optimizer, scaler, FP16)
-    assert torch.equal(model.weight, linear_setup()[0].weight), "it trained"
-
-
-@pytest.mark.parametrize("batch", [{"input": torch.zeros(2, 10)}, torch.zeros(2, 10)])
-def test_a_batch_that_is_no_pair_fails_at_once_pointing_at_readme(batch):
-    with pytest.raises(TypeError, match=r"is no \(inputs, targets\) pair: see README"):
-        train(nn.Linear(10, 1), [batch], torch.optim.SGD(nn.Linear(1, 1).parameters()))
-
-
-def test_accum_steps_0_is_refused_and_an_empty_batch_adds_no_sample():
-    model, optimizer, _ = linear_setup()
+def test_mistakes_and_leftovers_are_refused_or_ignored():
+    (x, y), (model, optimizer, _), (clean, clean_optimizer, _) = linear_batch(16), *[
+        linear_setup() for _ in range(2)]
+    for scaler in (None, torch.amp.GradScaler("cpu", enabled=False)):
+        with pytest.raises(ValueError, match=r"torch\.amp\.GradScaler"):  # fp16
+            train(model, [(x, y)], optimizer, scaler, FP16)
     with pytest.raises(ValueError, match="accum_steps"):
-        train(model, split(4, 4), optimizer, accum_steps=0)
-    x, y = linear_batch(8)
-    stats = train(model, [(x, y), (x[:0], y[:0])], optimizer)
-    assert (stats["samples"], math.isfinite(stats["loss"])) == (8, True), stats
+        train(model, [(x, y)], optimizer, accum_steps=0)
+    for batch in ({"input": x, "label": y}, x):
+        with pytest.raises(TypeError, match=r"is no \(inputs, targets\) pair: see README"):
+            train(model, [batch], optimizer)
+    MSE(model(x * 100), y).backward()  # a micro-batch that raised, retried smaller
+    stats = train(model, [(x, y), (x[:0], y[:0])], optimizer)  # an empty batch: no sample
+    clean_stats = train(clean, [(x, y)], clean_optimizer)
+    assert torch.equal(model.weight, clean.weight), "an old gradient reached a step"
+    assert (stats["samples"], stats["loss"]) == (16, clean_stats["loss"]), stats
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")  # torch's note when step 1 is skipped
 @pytest.mark.parametrize("amp_dtype", [None, FP16])
-def test_a_scheduler_steps_once_per_optimizer_step_skipped_or_not(amp_dtype):
+def test_a_scheduler_steps_every_step(amp_dtype):
     batches = split(40, 4)  # 10 micro-batches: 5 steps of 2
     batches[0] = with_inf(batches[0])  # fp16 skips step 1
     model, optimizer, scaler = linear_setup(amp_dtype=amp_dtype)
@@ -230,15 +203,12 @@ def test_a_scheduler_steps_once_per_optimizer_step_skipped_or_not(amp_dtype):
 
 @pytest.mark.parametrize("device,amp_dtype", [
     ("cpu", BF16), ("cpu", None), pytest.param("cuda", FP16, marks=requires_cuda)])
-def test_autocast_runs_matmul_and_conv_in_amp_dtype_and_the_loss_in_fp32(device, amp_dtype):
+def test_autocast_dtypes(device, amp_dtype):
     model, seen = nn.Sequential(nn.Linear(8, 8), nn.Unflatten(1, (1, 8)), nn.Conv1d(1, 4, 3),
                                 nn.Flatten()).to(device), []
     for module in model[0], model[2]:
         module.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
-
-    def criterion(outputs, targets):
-        seen.append(nn.functional.cross_entropy(outputs, targets))
-        return seen[-1]
+    criterion = lambda *a: seen.append(nn.functional.cross_entropy(*a)) or seen[-1]  # noqa: E731
     amp_train.train_epoch(model, [(torch.randn(2, 8), torch.tensor([0, 1]))],
                           torch.optim.SGD(model.parameters()), criterion,
                           amp_train.make_scaler(torch.device(device), amp_dtype), device, amp_dtype)
@@ -248,7 +218,7 @@ def test_autocast_runs_matmul_and_conv_in_amp_dtype_and_the_loss_in_fp32(device,
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_amp_training_of_the_linear_example_matches_fp32(precision):
+def test_amp_matches_fp32(precision):
     # Measured: bf16 ends 1.0e-4 from fp32's loss, fp16 1.3e-5; the tolerance is ~10x that.
     def fit(amp_dtype):
         model, optimizer, scaler = linear_setup("cpu", amp_dtype)
@@ -261,7 +231,7 @@ def test_amp_training_of_the_linear_example_matches_fp32(precision):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
-def test_the_scaler_skips_an_inf_step_and_halves_the_scale(device):
+def test_an_inf_step_is_skipped(device):
     batch = linear_batch(8)
     model, optimizer, scaler = linear_setup(device, FP16)
     stats = train(model, [batch, with_inf(batch)], optimizer, scaler, FP16, device)
@@ -274,24 +244,16 @@ def test_the_scaler_skips_an_inf_step_and_halves_the_scale(device):
 
 @pytest.mark.parametrize("kind", [{"foreach": False}, {"foreach": True}, {"fused": True}])
 @pytest.mark.parametrize("make", [torch.optim.SGD, torch.optim.Adam])
-def test_skipped_steps_are_counted_for_plain_foreach_and_fused_optimizers(make, kind):
-    # A fused optimizer's kernel takes the inf check, so its step() always runs: this pins
-    # what the private _found_inf_per_device gives.
-    batch = linear_batch(8)
-    model, _, scaler = linear_setup("cpu", FP16)
+def test_skips_counted_for_any_optimizer(make, kind, monkeypatch):
+    # A fused optimizer's kernel takes the inf check, so its step() always runs: this pins what
+    # the private _found_inf_per_device gives, also for a model on two GPUs (found twice).
+    batch, (model, _, scaler) = linear_batch(8), linear_setup("cpu", FP16)
+    found = scaler._found_inf_per_device
+    monkeypatch.setattr(scaler, "_found_inf_per_device",
+                        lambda opt: dict(enumerate(list(found(opt).values()) * 2)))
     stats = train(model, [with_inf(batch), batch], make(model.parameters(), lr=0.01, **kind),
                   scaler, FP16)
     assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (2, 1, 2.0**15)
-
-
-def test_a_skip_seen_on_several_devices_counts_once(monkeypatch):
-    batch = linear_batch(8)
-    model, optimizer, scaler = linear_setup("cpu", FP16)
-    found = scaler._found_inf_per_device  # parameters on two GPUs: found_inf twice
-    monkeypatch.setattr(scaler, "_found_inf_per_device",
-                        lambda opt: dict(enumerate(list(found(opt).values()) * 2)))
-    stats = train(model, [with_inf(batch), batch], optimizer, scaler, FP16)
-    assert (stats["steps"], stats["skipped_steps"]) == (2, 1), stats
 
 
 def test_clipping_acts_on_unscaled_gradients():
@@ -304,15 +266,14 @@ def test_clipping_acts_on_unscaled_gradients():
     assert stats["skipped_steps"] == 0 and seen == [pytest.approx(0.01, rel=1e-3)], seen
 
 
-def test_the_loss_is_the_per_sample_mean_and_max_steps_takes_no_batch_it_skips():
+def test_loss_mean_and_max_steps():
     model = nn.Linear(1, 1, bias=False)
     nn.init.zeros_(model.weight)
     batches = [(torch.zeros(3, 1), torch.ones(3, 1)), (torch.zeros(1, 1), torch.full((1, 1), 3.))]
     stats = train(model, batches, torch.optim.SGD(model.parameters(), lr=0.0))
     assert stats["loss"] == pytest.approx((3 * 1 + 9) / 4) and stats["samples"] == 4, stats
-    x, y = linear_batch(24)
-    stream, seen = iter(zip(x.split(4), y.split(4))), []
-    model, optimizer, _ = linear_setup()
+    (x, y), seen, (model, optimizer, _) = linear_batch(24), [], linear_setup()
+    stream = iter(zip(x.split(4), y.split(4)))
     model.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0][0, 0]))
     for _ in range(3):  # max_steps counts optimizer steps
         assert train(model, stream, optimizer, max_steps=1, accum_steps=2)["steps"] == 1
@@ -322,7 +283,7 @@ def test_the_loss_is_the_per_sample_mean_and_max_steps_takes_no_batch_it_skips()
 
 
 @pytest.mark.parametrize("wrap", [list, generator_of], ids=["list", "generator"])
-def test_accumulation_steps_on_the_mean_gradient_of_each_group(wrap):
+def test_accumulation(wrap):
     big, big_optimizer, _ = linear_setup()
     train(big, split(32, 24, seed=3), big_optimizer)  # a batch of 24, then 8
     small, small_optimizer, _ = linear_setup()
@@ -336,15 +297,6 @@ def test_accumulation_steps_on_the_mean_gradient_of_each_group(wrap):
     assert (stats["steps"], stats["skipped_steps"], stats["samples"]) == (3, 1, 40), stats
 
 
-def test_train_epoch_prints_a_progress_line_once_log_seconds_have_passed(capsys):
-    model, optimizer, _ = linear_setup()
-    train(model, split(4, 4) * 3, optimizer, log_seconds=0)
-    train(model, split(4, 4) * 3, optimizer)
-    out = capsys.readouterr().out
-    assert re.findall(r"^  step (\d) \| loss [\d.]+ \| \d+ samples/s$", out, re.M) == [
-        "1", "2", "3"], out
-
-
 def syncs(monkeypatch, steps, amp_dtype, optimizer, log_seconds=math.inf):
     """Counts the Python reads of a tensor's value (each waits for the device)."""
     model, count = nn.Linear(10, 1), [0]
@@ -354,14 +306,13 @@ def syncs(monkeypatch, steps, amp_dtype, optimizer, log_seconds=math.inf):
                 count[0] += 1
                 return _original(self, *args, **kwargs)
             patch.setattr(torch.Tensor, name, counting)
-        with contextlib.redirect_stdout(io.StringIO()):
-            train(model, split(4, 4) * steps, optimizer(model, lr=0.01),
-                  amp_train.make_scaler(CPU, amp_dtype), amp_dtype, log_seconds=log_seconds)
+        train(model, split(4, 4) * steps, optimizer(model, lr=0.01),
+              amp_train.make_scaler(CPU, amp_dtype), amp_dtype, log_seconds=log_seconds)
     return count[0]
 
 
 @pytest.mark.parametrize("amp_dtype,count", [(None, 1), (BF16, 1), (FP16, 2)])
-def test_train_epoch_makes_no_host_sync_per_step(amp_dtype, count, monkeypatch):
+def test_no_host_sync_per_step_and_progress_lines(amp_dtype, count, monkeypatch, capsys):
     # One at the end, and get_scale() with a scaler; the examples' fused SGD: none a step.
     fused = amp_train.make_optimizer
     assert [syncs(monkeypatch, n, amp_dtype, fused) for n in (1, 10)] == [count, count]
@@ -369,16 +320,21 @@ def test_train_epoch_makes_no_host_sync_per_step(amp_dtype, count, monkeypatch):
     # The counter works: with a plain SGD, scaler.step() reads found_inf every step.
     plain = lambda model, lr: torch.optim.SGD(model.parameters(), lr)  # noqa: E731
     assert syncs(monkeypatch, 10, FP16, plain) == 12
+    capsys.readouterr()
+    train(*linear_setup()[:1], split(4, 4) * 3, linear_setup()[1], log_seconds=0)
+    lines = re.findall(r"^  step (\d) \| loss [\d.]+ \| \d+ samples/s$", capsys.readouterr().out,
+                       re.M)
+    assert lines == ["1", "2", "3"], "a line once log_seconds have passed"
 
 
-def test_evaluate_gives_the_per_sample_mean_loss_and_accuracy_in_inference_mode():
-    seen = []
+def test_evaluate():
+    seen, ce = [], nn.CrossEntropyLoss()
 
     class Identity(nn.Linear):
         def forward(self, x):
             seen.append((torch.is_inference_mode_enabled(), self.training))
             return super().forward(x)
-    model, ce = Identity(3, 3, bias=False), nn.CrossEntropyLoss()
+    model = Identity(3, 3, bias=False)
     with torch.no_grad():
         model.weight.copy_(torch.eye(3) * 2)  # predicts the index of the largest input
     inputs, targets = torch.eye(3).repeat(2, 1), torch.tensor([0, 1, 2, 0, 2, 1])  # 4 of 6
@@ -390,20 +346,15 @@ def test_evaluate_gives_the_per_sample_mean_loss_and_accuracy_in_inference_mode(
     assert amp_train.evaluate(model, batches, ce, CPU, None, 1)["samples"] == 4, "max_steps"
     empty = amp_train.evaluate(model, [], ce, CPU, None)
     assert math.isnan(empty["loss"]) and math.isnan(empty["accuracy"]), empty
-
-
-def test_evaluate_computes_under_autocast():
-    torch.manual_seed(0)
-    model, x, y, ce = nn.Linear(64, 8), torch.randn(32, 64), torch.randint(0, 8, (32,)), MSE
-    ce = nn.CrossEntropyLoss()
-    fp32, bf16 = (amp_train.evaluate(model, [(x, y)], ce, CPU, dtype)["loss"] for dtype in (None, BF16))
+    model, x, y = nn.Linear(64, 8), torch.randn(32, 64), torch.arange(32) % 8
+    fp32, bf16 = (amp_train.evaluate(model, [(x, y)], ce, CPU, t)["loss"] for t in (None, BF16))
     with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
-        assert bf16 == ce(model(x), y).item() != fp32, (bf16, fp32)
+        assert bf16 == ce(model(x), y).item() != fp32, "evaluate must autocast"
 
 
-def test_the_readme_adapter_for_dict_batches_works():
+def test_readmes_dict_batch_adapter():
     x, y = linear_batch(16)
-    user = {"loader": [{"input_ids": x[:8], "labels": y[:8]}, {"input_ids": x[8:], "labels": y[8:]}]}
+    user = {"loader": [{"input_ids": x[i:i + 8], "labels": y[i:i + 8]} for i in (0, 8)]}
     exec(re.search(r"^ *(pairs = .*)$", README, re.M).group(1), user)
     assert train(nn.Linear(10, 1), user["pairs"], linear_setup()[1])["samples"] == 16
 
@@ -418,43 +369,39 @@ def not_enough():
     return spaces
 
 
-def test_readmes_custom_function_trains_under_bf16_autocast():
-    function = not_enough()[0]["MatMul"]
+def test_readmes_custom_function():
+    function, optimizer = not_enough()[0]["MatMul"], torch.optim.SGD(nn.Linear(1, 1).parameters())
 
     class Model(nn.Linear):
         def forward(self, x):  # a bf16 activation and an fp32 weight meet in the Function
             return self.function.apply(super().forward(x), self.extra)
     model = Model(10, 4)
     model.function, model.extra = function, nn.Parameter(torch.randn(4, 1))
-    stats = train(model, [linear_batch(8)], torch.optim.SGD(model.parameters()), amp_dtype=BF16)
-    assert stats["steps"] == 1 and math.isfinite(stats["loss"]), stats
-    model.function = type("Plain", (torch.autograd.Function,), {
-        "forward": staticmethod(function.forward.__wrapped__),
-        "backward": staticmethod(function.backward.__wrapped__)})
-    with pytest.raises(RuntimeError, match="dtype"):  # undecorated
-        train(model, [linear_batch(8)], torch.optim.SGD(model.parameters()), amp_dtype=BF16)
+    stats = train(model, [linear_batch(8)], optimizer, amp_dtype=BF16)
+    assert stats["steps"] == 1 and math.isfinite(stats["loss"]) and model.extra.grad is not None
+    model.function = type("Plain", (torch.autograd.Function,), {  # undecorated
+        key: staticmethod(getattr(function, key).__wrapped__) for key in ("forward", "backward")})
+    with pytest.raises(RuntimeError, match="dtype"):
+        train(model, [linear_batch(8)], optimizer, amp_dtype=BF16)
 
 
-def test_readmes_gradient_penalty_is_the_docs_loop_bit_for_bit():
+def test_readmes_gradient_penalty():
     batches = split(32, 8)
     model, optimizer, scaler = linear_setup("cpu", FP16)
     not_enough()[1]["train_epoch_with_penalty"](model, batches, optimizer, MSE, scaler, "cpu", FP16)
     reference, optimizer, scaler = linear_setup("cpu", FP16)
-    for input, target in batches:  # the torch.amp examples page, on "cpu"
+    for input, target in batches:  # the torch.amp examples page's loop, on "cpu"
         optimizer.zero_grad()
         with torch.autocast(device_type="cpu", dtype=torch.float16):
-            output = reference(input)
-            loss = MSE(output, target)
+            loss = MSE(reference(input), target)
         scaled_grad_params = torch.autograd.grad(outputs=scaler.scale(loss),
                                                  inputs=reference.parameters(), create_graph=True)
-        inv_scale = 1. / scaler.get_scale()
-        grad_params = [p * inv_scale for p in scaled_grad_params]
+        grad_params = [p * (1. / scaler.get_scale()) for p in scaled_grad_params]
         with torch.autocast(device_type="cpu", dtype=torch.float16):
             grad_norm = 0
             for grad in grad_params:
                 grad_norm += grad.pow(2).sum()
-            grad_norm = grad_norm.sqrt()
-            loss = loss + grad_norm
+            loss = loss + grad_norm.sqrt()
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -462,22 +409,20 @@ def test_readmes_gradient_penalty_is_the_docs_loop_bit_for_bit():
     assert not torch.equal(model.weight, linear_setup()[0].weight), "it did not train"
 
 
-def test_readmes_two_models_with_one_scaler_is_the_docs_loop_bit_for_bit():
+def test_readmes_two_models():
     def setup():
         torch.manual_seed(1)
         models = nn.Linear(10, 1), nn.Linear(10, 1)
         return (*models, *(torch.optim.SGD(m.parameters(), lr=0.01) for m in models),
                 torch.amp.GradScaler("cpu"))
-    batches, (model0, model1, *rest) = split(32, 8), setup()
-    not_enough()[2]["train_two_models"](model0, model1, *rest[:2], batches, MSE, rest[2], "cpu",
-                                        FP16)
+    (model0, model1, *rest), batches = setup(), split(32, 8)
+    not_enough()[2]["train_two_models"](model0, model1, *rest[:2], batches, MSE, rest[2], "cpu", FP16)
     ref0, ref1, optimizer0, optimizer1, scaler = setup()
-    for input, target in batches:  # the torch.amp examples page, on "cpu"
+    for input, target in batches:  # the torch.amp examples page's loop, on "cpu"
         optimizer0.zero_grad()
         optimizer1.zero_grad()
         with torch.autocast(device_type="cpu", dtype=torch.float16):
-            output0 = ref0(input)
-            output1 = ref1(input)
+            output0, output1 = ref0(input), ref1(input)
             loss0 = MSE(2 * output0 + 3 * output1, target)
             loss1 = MSE(3 * output0 - 5 * output1, target)
         scaler.scale(loss0).backward(retain_graph=True)
@@ -486,18 +431,11 @@ def test_readmes_two_models_with_one_scaler_is_the_docs_loop_bit_for_bit():
         scaler.step(optimizer0)
         scaler.step(optimizer1)
         scaler.update()
-    for model, reference in ((model0, ref0), (model1, ref1)):
-        assert torch.equal(model.weight, reference.weight), (model.weight, reference.weight)
+    assert torch.equal(model0.weight, ref0.weight) and torch.equal(model1.weight, ref1.weight)
 
 
 # ---------- device, precision, processes
 
-def test_the_cpus_bf16_support_is_what_proc_cpuinfo_says():
-    if not os.path.exists("/proc/cpuinfo"):
-        pytest.skip("no /proc/cpuinfo to compare with")
-    flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
-    expected = "AVX512-BF16" if "avx512_bf16" in flags else "none"
-    assert amp_train.cpu_bf16() == ("AMX" if "amx_tile" in flags else expected)
 
 
 def fake_cpu(monkeypatch, amx, avx512_bf16):
@@ -508,7 +446,10 @@ def fake_cpu(monkeypatch, amx, avx512_bf16):
 @pytest.mark.parametrize("amx,avx512,example,precision", [
     (0, 0, "linear", "fp32"), (0, 0, "resnet", "fp32"), (0, 0, "memory", "bf16"),
     (0, 1, "resnet", "bf16"), (1, 1, "linear", "bf16")])
-def test_auto_turns_amp_on_only_where_it_gains(amx, avx512, example, precision, monkeypatch):
+def test_auto_uses_amp_where_it_gains(amx, avx512, example, precision, monkeypatch):
+    flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
+    expected = "AVX512-BF16" if "avx512_bf16" in flags else "none"  # torch's private names
+    assert amp_train.cpu_bf16() == ("AMX" if "amx_tile" in flags else expected), flags
     fake_cpu(monkeypatch, amx, avx512)
     assert amp_train.resolve_precision("auto", CPU, example) == precision
     assert amp_train.resolve_precision("auto", torch.device("cuda"), example) == "fp16"
@@ -519,8 +460,7 @@ def test_auto_turns_amp_on_only_where_it_gains(amx, avx512, example, precision, 
     ("none", "auto", "note: this CPU has no bf16 instructions (AMX, AVX512-BF16)"),
     ("none", "bf16", "note: this CPU has no bf16"), ("AVX512-BF16", "auto", ""),
     ("AMX", "fp16", "warning: fp16 is very slow on CPUs")])
-def test_the_header_names_the_cpus_bf16_and_what_amp_costs_here(bf16, precision, says,
-                                                                monkeypatch, capsys):
+def test_header_says_what_amp_costs(bf16, precision, says, monkeypatch, capsys):
     fake_cpu(monkeypatch, bf16 == "AMX", bf16 != "none")
     ok(RESNET + ["--precision", precision, "--epochs", "1"])
     lines = capsys.readouterr().out.splitlines()
@@ -540,7 +480,7 @@ def fake_gpus(monkeypatch, count, bf16=True):
     return current
 
 
-def test_each_process_takes_gpu_local_rank_with_cudnn_benchmark(monkeypatch, capsys):
+def test_device_choice(monkeypatch, capsys):
     assert amp_train.resolve_device("cpu") == CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert amp_train.resolve_device("auto") == CPU
@@ -566,7 +506,7 @@ def torchrun_env(port, rank=0):
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
 
 
-def test_processes_that_cannot_meet_end_in_one_line_naming_the_cause(monkeypatch, capsys):
+def test_processes_that_cannot_meet(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "use torchrun" in run_bad(LINEAR, capsys), "RANK, MASTER_ADDR, MASTER_PORT missing"
     with socket.socket() as taken:
@@ -581,7 +521,7 @@ def test_processes_that_cannot_meet_end_in_one_line_naming_the_cause(monkeypatch
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_while_the_processes_meet_ends_at_once_in_one_line(signum):
+def test_a_signal_while_processes_meet(signum):
     def run(port):
         waiting = script(*LINEAR, **torchrun_env(port))  # rank 1 never comes
         for _ in range(600):  # until rank 0 waits for it
@@ -595,29 +535,29 @@ def test_a_signal_while_the_processes_meet_ends_at_once_in_one_line(signum):
         err = waiting.communicate(timeout=30)[1]
         return waiting.returncode, err, time.monotonic() - started
     status, err, seconds = retry_if_the_port_was_taken(run)
-    stop = f"error: stopped by {signal.Signals(signum).name}; nothing is saved without --run-dir\n"
+    stop = f"error: stopped by {signal.Signals(signum).name}; {NOTHING}\n"
     assert (status, err) == (128 + signum, stop) and seconds < 5, (status, err, seconds)
 
 
-def test_init_distributed_names_the_job_once_and_gives_each_round_its_keys(monkeypatch):
-    calls, store, dist = [], torch.distributed.HashStore(), torch.distributed
-    for key, value in torchrun_env(1, rank=1).items():
-        monkeypatch.setenv(key, value)
-    rendezvous = lambda store: lambda url, timeout: iter([(store, 1, 2)])  # noqa: E731
-    monkeypatch.setattr(dist, "rendezvous", rendezvous(store))
+def test_job_name_and_round_keys(monkeypatch):
+    calls, dist = [], torch.distributed
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    job = amp_train.init_distributed(torch.device("cuda", 1))
+    for key, value in {**torchrun_env(1, rank=1), "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(key, value)
+
+    def job(store, device=CPU):
+        monkeypatch.setattr(dist, "rendezvous", lambda url, timeout: iter([(store, 1, 2)]))
+        return amp_train.init_distributed(device)
+    store = dist.HashStore()
+    first = job(store, torch.device("cuda", 1))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    assert amp_train.init_distributed(CPU) == job, "a restart (the same store) finds its name"
-    assert [(a, k["device_id"], k["rank"], k["world_size"], k["timeout"]) for a, k in calls] == [
+    assert job(store) == first != job(dist.HashStore()), "a restart finds its job's name"
+    assert [(a, k["device_id"], k["rank"], k["world_size"], k["timeout"]) for a, k in calls[:2]] == [
         (("nccl",), torch.device("cuda", 1), 1, 2, amp_train.DIST_TIMEOUT),
         (("gloo",), None, 1, 2, amp_train.DIST_TIMEOUT)], calls
     assert amp_train.DIST_TIMEOUT.total_seconds() <= 600, "a lost peer ends the run in 10 min"
     calls[1][1]["store"].set("key", "value")
     assert store.get("round3/key") == b"value", "a round read the keys of the round before"
-    monkeypatch.setattr(dist, "rendezvous", rendezvous(dist.HashStore()))
-    assert amp_train.init_distributed(CPU) != job, "another job (store), another name"
 
 
 def ddp_worker(rank, argv, out_dir, port):
@@ -665,7 +605,7 @@ def group_worker(rank, out_dir, port):
     torch.distributed.destroy_process_group()
 
 
-def test_accumulation_under_ddp_all_reduces_once_per_step(tmp_path):
+def test_ddp_accumulation(tmp_path):
     def run(port):
         try:
             torch.multiprocessing.spawn(group_worker, args=(tmp_path, port), nprocs=2)
@@ -681,7 +621,7 @@ def test_accumulation_under_ddp_all_reduces_once_per_step(tmp_path):
         assert (all_reduces, steps) == (2, 2) and torch.allclose(weight, model.weight, atol=1e-6)
 
 
-def test_a_checkpoint_resumes_on_another_process_count(tmp_path):
+def test_resume_on_another_process_count(tmp_path):
     run = LINEAR + ["--precision", "fp32", "--run-dir", str(tmp_path / "run")]
     ok(run + ["--epochs", "1"])
     out = run_two_processes(run + ["--epochs", "2", "--resume"], tmp_path)["out"]
@@ -711,7 +651,7 @@ sys.exit(amp_train.main(sys.argv[1:]))
 """
 
 
-def test_a_peer_that_dies_ends_the_survivor_in_one_line(tmp_path):
+def test_a_dead_peer_ends_the_survivor(tmp_path):
     dies = tmp_path / "dies.py"
     dies.write_text(DIES.format(here=str(HERE), name="train_epoch", when="len(calls) == 3"))
     argv = [*LINEAR, "--epochs", "1000", "--run-dir", str(tmp_path / "run")]
@@ -740,7 +680,7 @@ def torchrun(tmp_path, *argv, script=SCRIPT, max_restarts=0, rendezvous=("--stan
         raise
 
 
-def test_torchrun_restarts_go_on_from_the_jobs_own_checkpoint(tmp_path):
+def test_torchrun_restarts_go_on_and_a_new_job_takes_nothing(tmp_path):
     # kill -9 in round 0, after epoch 1's metrics, before its checkpoint: round 1 goes on,
     # without --resume, from its job's checkpoint of epoch 0, the metrics rewritten.
     (tmp_path / "dies.py").write_text(DIES.format(here=str(HERE), name="replace_file", when=(
@@ -754,19 +694,14 @@ def test_torchrun_restarts_go_on_from_the_jobs_own_checkpoint(tmp_path):
     ok(LINEAR + ["--precision", "fp32", "--epochs", "4", "--run-dir", str(tmp_path / "a")])
     restarted, alone = (load(tmp_path / name / "checkpoint.pt")["model"] for name in ("run", "a"))
     assert all(torch.allclose(restarted[k], alone[k], atol=1e-6) for k in alone), restarted
-
-
-def test_a_job_under_static_rendezvous_never_takes_another_runs_checkpoint(tmp_path):
     # Static rendezvous names every job "none": the job's name comes from torchrun's store.
-    ok(LINEAR + ["--epochs", "3", "--run-dir", str(tmp_path / "run")])
     before = files_of(tmp_path / "run")
     second = retry_if_the_port_was_taken(lambda port: torchrun(
-        tmp_path, "--example", "linear", "--epochs", "6", "--run-dir", "run",
-        rendezvous=("--master-port", str(port))))
+        tmp_path, *argv[:-3], "6", "--run-dir", "run", rendezvous=("--master-port", str(port))))
     assert second.stderr.count("holds a checkpoint: add --resume") == 2, second.stderr
     assert re.search(r"exitcode *: 2 ", second.stderr), second.stderr
     assert 'amp_train.py", line' not in second.stderr, "a worker ended in a traceback"
-    assert files_of(tmp_path / "run") == before, "the other run's files were changed"
+    assert files_of(tmp_path / "run") == before, "the other job's files were changed"
 
 
 # ---------- models and data
@@ -777,7 +712,7 @@ def zero_gradient_share(model):
     return zeros.item() / sum(p.numel() for p in model.parameters())
 
 
-def test_resnet18_has_the_cifar_stem_every_weight_learns_and_channels_last_agrees(resnet18):
+def test_resnet18_cifar_stem(resnet18):
     torch.manual_seed(0)
     model = amp_train.build_example(amp_train.parse_args(RESNET), CPU)[0]
     assert model.conv1.kernel_size == (3, 3) and isinstance(model.maxpool, nn.Identity)
@@ -804,7 +739,7 @@ def write_tiny_cifar10(root, per_batch=2):
         pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
 
 
-def test_cifar10_is_read_in_its_real_format_and_normalized(tmp_path, monkeypatch, spy, capsys):
+def test_cifar10(tmp_path, monkeypatch, spy, capsys):
     import torchvision.datasets.cifar as cifar
     write_tiny_cifar10(tmp_path)
     monkeypatch.setattr(cifar, "check_integrity", lambda *a, **k: True)
@@ -834,28 +769,22 @@ def shuffled(n, batch_size, epoch=0, **kwargs):
     return [targets.tolist() for _, targets in loader], len(loader)
 
 
-def test_the_order_depends_on_seed_and_epoch_only_and_batches_are_whole():
-    def order(seed, epoch):
-        return shuffled(32, 8, epoch, shuffle=True, seed=seed)[0]
-    assert sorted(sum(order(0, 1), [])) == list(range(32)), "an epoch sees each sample once"
-    assert order(0, 1) == order(0, 1) != order(0, 2) and order(0, 1) != order(1, 1)
-    batches, length = shuffled(10, 3, shuffle=True)
-    assert [len(b) for b in batches] == [3, 3, 3] and length == 3, "BatchNorm needs 2+"
-
-
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_processes_get_disjoint_shards(shuffle):
+def test_order_and_shards(shuffle):
     shards = [shuffled(23, 4, 5, shuffle=shuffle, rank=r, world_size=3) for r in range(3)]
     assert all(len(batches) == length for batches, length in shards), "len() counts batches"
     seen = [i for batches, _ in shards for batch in batches for i in batch]
     assert len(seen) == len(set(seen)), f"a sample went to two processes: {shards}"
-    if shuffle:  # equal shards of whole batches: every process takes as many steps
+    if shuffle:  # equal shards of whole batches (BatchNorm needs 2+): as many steps each
         assert {len(batches) * len(batches[0]) for batches, _ in shards} == {4}, shards
     else:  # testing: every sample once
         assert sorted(seen) == list(range(23)), shards
+    order = functools.partial(shuffled, 32, 8, shuffle=shuffle)
+    assert order(1)[0] == order(1)[0] and (order(1) != order(2)) == shuffle, "(seed, epoch)"
+    assert (order(1, seed=0) != order(1, seed=1)) == shuffle, "another seed, another order"
 
 
-def test_a_batch_too_large_for_the_data_or_processes_is_refused():
+def test_batches_that_cannot_be():
     args = amp_train.parse_args(LINEAR + ["--batch-size", "5"])
     with pytest.raises(amp_train.UsageError, match="does not share out evenly among 2"):
         amp_train.build_example(args, CPU, rank=1, world_size=2)
@@ -864,7 +793,7 @@ def test_a_batch_too_large_for_the_data_or_processes_is_refused():
         amp_train.build_example(args, CPU, rank=7, world_size=8)
 
 
-def test_every_augmented_image_is_a_window_of_the_padded_image_possibly_mirrored():
+def test_crops_and_flips():
     import torchvision.transforms.v2.functional as TF
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(0))
@@ -878,9 +807,10 @@ def test_every_augmented_image_is_a_window_of_the_padded_image_possibly_mirrored
     assert None not in windows, f"image {windows.index(None)} is no window of its padded image"
     assert {dy for dy, _, _ in windows} == set(range(9)) == {dx for _, dx, _ in windows}
     assert {m for _, _, m in windows} == {False, True}, windows
-    same = images[:1].repeat(16, 1, 1, 1)
-    crops = [next(iter(amp_train.DeviceLoader(same, torch.zeros(16), 8, CPU, amp_train.cifar10_transform(
-        CPU, True), True, rank=rank, world_size=2)))[0] for rank in (0, 1)]
+    augment = amp_train.cifar10_transform(CPU, True)
+    crops = [next(iter(amp_train.DeviceLoader(images[:1].repeat(16, 1, 1, 1), torch.zeros(16), 8,
+                                              CPU, augment, True, rank=r, world_size=2)))[0]
+             for r in (0, 1)]
     assert not torch.equal(*crops), "two processes cropped alike"
 
 
@@ -895,7 +825,7 @@ def untimed(path):
 
 
 @pytest.mark.parametrize("example,epochs,split", [(RESNET, 3, 2), (LINEAR_FP16, 6, 3)])
-def test_resume_gives_bit_identical_weights(example, epochs, split, tmp_path, capsys, monkeypatch):
+def test_resume_is_bit_identical(example, epochs, split, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(amp_train, "make_scaler", grows)
     a, b = tmp_path / "a", tmp_path / "b"
     ok(example + ["--epochs", str(epochs), "--run-dir", str(a)])
@@ -910,7 +840,7 @@ def test_resume_gives_bit_identical_weights(example, epochs, split, tmp_path, ca
     assert untimed(a / "metrics.jsonl") == untimed(b / "metrics.jsonl")
 
 
-def test_the_checkpoint_loads_weights_only_and_each_write_is_a_synced_tmp(tmp_path, monkeypatch):
+def test_checkpoint_writes(tmp_path, monkeypatch):
     calls, fsync, replace = [], os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append("fsync") or fsync(fd))
     monkeypatch.setattr(os, "replace", lambda a, b: calls.append(b[-3:]) or replace(a, b))
@@ -937,8 +867,7 @@ def wrapped(error):
     (wrapped(OSError(28, "No space left on device")), 2, "No space left on device"),
     (OSError(1, "Operation not permitted"), 2, "not permitted"), (KeyboardInterrupt(), 0, ""),
     (wrapped(amp_train.Stopped(signal.SIGTERM)), 143, "stopped by SIGTERM")])
-def test_a_failed_save_ends_in_one_line_and_keeps_the_last_checkpoint(
-        error, status, says, tmp_path, monkeypatch, capsys):
+def test_a_failed_save(error, status, says, tmp_path, monkeypatch, capsys):
     ok(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(tmp_path)])
     before = files_of(tmp_path)
 
@@ -986,25 +915,22 @@ def weight(value, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("make,says", [
-    (lambda path: torch.save({"format": amp_train.CHECKPOINT_FORMAT}, path), "KeyError"),
     (lambda path: torch.save({"x": CreatesAFile()}, path), "UnpicklingError"),
     (lambda path: (edited()(path), path.write_bytes(path.read_bytes()[:200])), "BadZipFile"),
     (edited(save={"_use_new_zipfile_serialization": False}), "BadZipFile"),
     (zip_bomb, "unpacks to too much"), (lambda path: path.write_bytes(bytes(2**20 + 1)), "no file"),
     (nested, "RecursionError"), (edited(epoch=math.inf), "damaged"), (edited(epoch=-5), "damaged"),
-    (edited(epoch=True), "damaged"), (edited(epoch=0), "damaged"), (edited(metrics="1"), "damaged"),
+    (edited(epoch=True), "damaged"), (edited(epoch=0), "damaged"),
     (edited(model=None), "KeyError"), (edited(args={"lr": 0.01}), "flags are refused"),
-    (edited(args__lr=0.0), "flags are refused"), (edited(args__lr=-1.0), "damaged"),
+    (edited(args__lr=-1.0), "damaged"),
     (edited(args__precision=None), "flags are refused"), (edited(loss_scale="65536"), "damaged"),
-    (edited(loss_scale=[1.0]), "damaged"), (edited(loss_scale=0.0), "damaged"),
-    (edited(loss_scale=-1.0), "damaged"), (edited(model={"weight": torch.zeros(3)}), "not fit"),
+    (edited(loss_scale=0.0), "damaged"), (edited(model={"weight": torch.zeros(3)}), "not fit"),
     (weight(math.nan), "damaged"), (weight(complex(math.inf, 0), torch.complex64), "damaged"),
     (weight(0.0, torch.float64), "damaged"),
     # Momentum of 3 for a weight of 10: loading it once corrupted memory (SIGABRT).
     (edited(optimizer={0: {"momentum_buffer": torch.zeros(3)}}), "not fit"),
     (edited(optimizer={0: "x"}), "not fit")])
-def test_a_bad_checkpoint_exits_2_in_one_line_and_nothing_changes(make, says, tmp_path,
-                                                                  monkeypatch, capsys):
+def test_a_bad_checkpoint(make, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(20_000)  # for torch.save's pickler
@@ -1019,7 +945,7 @@ def test_a_bad_checkpoint_exits_2_in_one_line_and_nothing_changes(make, says, tm
     assert says in err and files_of(tmp_path) == before, err  # and no pwned file
 
 
-def test_hyperparameters_come_from_the_flags_never_from_the_checkpoint(tmp_path, capsys):
+def test_hyperparameters_are_the_flags(tmp_path, capsys):
     edited(param_groups=[{"lr": 0.0}], scaler={"growth_factor": 1e9})(tmp_path / "checkpoint.pt")
     ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path), "--resume"])
     assert lrs_of(capsys.readouterr().out)[-1] == 0.01, "the extra keys were read"
@@ -1040,8 +966,7 @@ def link(path):
     ("metrics.jsonl", os.mkfifo, "no file this program wrote"), ("checkpoint.pt", os.mkfifo, "no"),
     ("checkpoint.pt", link, "cannot read"), ("checkpoint.pt.tmp", os.mkdir, "directory"),
     ("file", pathlib.Path.touch, "File exists"), ("x" * 300, None, "too long")])
-def test_what_stands_in_a_run_folder_is_refused_before_training_and_kept(name, make, says,
-                                                                         tmp_path, capsys):
+def test_what_stands_in_the_folder(name, make, says, tmp_path, capsys):
     folder = tmp_path / name if make in (pathlib.Path.touch, None) else tmp_path
     if make:
         make(tmp_path / name)
@@ -1054,8 +979,7 @@ def test_what_stands_in_a_run_folder_is_refused_before_training_and_kept(name, m
 
 @pytest.mark.parametrize("name", ["checkpoint.pt.tmp", "metrics.jsonl.tmp"])
 @pytest.mark.parametrize("make", [link, os.mkfifo])
-def test_links_and_fifos_at_the_tmp_names_are_never_written_through_nor_hang(name, make, tmp_path,
-                                                                            monkeypatch):
+def test_links_and_fifos_at_tmp_names(name, make, tmp_path, monkeypatch):
     make(tmp_path / name)  # a FIFO opened for writing would block for good
     for argv in ([], ["--resume"]):
         ok(LINEAR + ["--epochs", str(1 + len(argv)), "--run-dir", str(tmp_path), *argv])
@@ -1094,7 +1018,7 @@ def test_one_run_owns_its_folder(tmp_path, capsys):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2, "the metrics changed"
 
 
-def test_resume_writes_the_metrics_from_the_checkpoint_whatever_the_file_holds(tmp_path):
+def test_metrics_come_from_the_checkpoint(tmp_path):
     ok(LINEAR_FP16 + ["--epochs", "4", "--run-dir", str(tmp_path / "a")])
     run = LINEAR_FP16 + ["--run-dir", str(tmp_path / "run")]
     ok(run + ["--epochs", "2"])
@@ -1104,7 +1028,7 @@ def test_resume_writes_the_metrics_from_the_checkpoint_whatever_the_file_holds(t
     assert untimed(tmp_path / "run" / "metrics.jsonl") == untimed(tmp_path / "a" / "metrics.jsonl")
 
 
-def test_a_failed_metrics_write_exits_2_naming_what_is_saved(tmp_path, monkeypatch, capsys):
+def test_a_failed_metrics_write(tmp_path, monkeypatch, capsys):
     replace_file = amp_train.replace_file
 
     def full_at_epoch_1(path, write):
@@ -1116,7 +1040,7 @@ def test_a_failed_metrics_write_exits_2_naming_what_is_saved(tmp_path, monkeypat
     assert "could not write in" in err and err.endswith(f"{tmp_path} holds epoch 0\n"), err
 
 
-def test_flags_on_resume_are_the_checkpoints_unless_given_again(tmp_path, capsys):
+def test_flags_on_resume(tmp_path, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
     ok(run + ["--epochs", "3", "--lr", "0.05", "--batch-size", "16", "--precision", "fp32",
               "--clip-grad-norm", "1", "--max-steps", "5"])
@@ -1176,15 +1100,19 @@ def spy(monkeypatch):
     return calls
 
 
-def test_example_linear_runs_the_post_program_and_learns(spy, capsys):
-    ok(LINEAR + ["--epochs", "20"])
-    losses = re.findall(r"^epoch +\d+/20 \| train loss ([\d.]+)", capsys.readouterr().out, re.M)
+@pytest.mark.parametrize("precision,dtype,scale", [
+    ("fp32", torch.float32, "1"), ("bf16", BF16, "1"), ("fp16", FP16, "65536")])
+def test_example_linear_and_precision(precision, dtype, scale, spy, capsys):
+    ok(LINEAR + ["--epochs", "20", "--precision", precision])
+    out = capsys.readouterr().out
+    losses = re.findall(r"^epoch +\d+/20 \| train loss ([\d.]+)", out, re.M)
     assert len(losses) == 20 == len(spy) and float(losses[-1]) < float(losses[0]) - 0.1, losses
     assert [len(c["batches"]) for c in spy] == [1] * 20, "one fixed batch"
-    assert spy[0]["batches"][0][0].shape == (128, 10), spy[0]["batches"][0][0].shape
+    assert spy[0]["batches"][0][0].shape == (128, 10) and spy[0]["dtypes"] == {dtype}
+    assert f"| scale {scale} |" in out, out
 
 
-def test_example_resnet_trains_and_tests_every_epoch_with_progress_lines(spy, capsys):
+def test_example_resnet(spy, capsys):
     ok(RESNET + ["--epochs", "2", "--lr", "0.05"])
     out = capsys.readouterr().out
     line = (r"^epoch 2/2 \| train loss [\d.]+ \| test loss [\d.]+ \| test acc +[\d.]+% \| "
@@ -1194,15 +1122,7 @@ def test_example_resnet_trains_and_tests_every_epoch_with_progress_lines(spy, ca
     assert 0 < amp_train.PROGRESS_SECONDS <= 25, "a progress line within 30 s on a slow CPU"
 
 
-@pytest.mark.parametrize("precision,dtype,scale", [
-    ("fp32", torch.float32, "1"), ("bf16", BF16, "1"), ("fp16", FP16, "65536")])
-def test_precision_sets_the_dtype_autocast_computes_in(precision, dtype, scale, spy, capsys):
-    ok(LINEAR + ["--epochs", "1", "--precision", precision])
-    assert spy[0]["dtypes"] == {dtype} and f"| scale {scale} |" in capsys.readouterr().out
-
-
-def test_epochs_batch_size_lr_max_steps_and_accum_steps_set_what_they_name(monkeypatch, spy,
-                                                                           capsys):
+def test_training_flags(monkeypatch, spy, capsys):
     for argv in (LINEAR, RESNET):
         ok(argv + ["--epochs", "3", "--batch-size", "6"])
     assert len(spy) == 6 and {len(y) for c in spy for _, y in c["batches"]} == {6}
@@ -1217,16 +1137,13 @@ def test_epochs_batch_size_lr_max_steps_and_accum_steps_set_what_they_name(monke
     assert "| batch 4 | accum 2 |" in capsys.readouterr().out
     ok(LINEAR + ["--epochs", "1", "--max-steps", "0"])
     assert spy[-1]["kwargs"]["max_steps"] is None, "0: no limit"
-
-
-def test_clip_grad_norm_caps_the_norm_the_optimizer_sees_and_0_does_not(spy, capsys):
     for clip in ("0", "0.5"):
         ok(LINEAR + ["--epochs", "3", "--precision", "bf16", "--clip-grad-norm", clip])
-    assert min(n for c in spy[:3] for n in c["norms"]) > 0.5, "the norm is ~1 unclipped"
-    assert [n for c in spy[3:] for n in c["norms"]] == pytest.approx([0.5] * 3, rel=1e-3)
+    assert min(spy[-4]["norms"]) > 0.5, "the norm is ~1 unclipped"
+    assert [n for c in spy[-3:] for n in c["norms"]] == pytest.approx([0.5] * 3, rel=1e-3)
 
 
-def test_seed_sets_weights_and_data_and_each_epoch_reshuffles_and_recrops(spy, capsys):
+def test_seed_flag_and_reshuffles(spy, capsys):
     for seed in ("0", "0", "1"):
         ok(RESNET + ["--epochs", "2", "--max-steps", "1", "--seed", seed])
     first = [spy[i]["batches"][0][0] for i in (0, 2, 4)]
@@ -1243,8 +1160,7 @@ def test_seed_sets_weights_and_data_and_each_epoch_reshuffles_and_recrops(spy, c
     assert not torch.equal(x1, plain[0]) and not torch.equal(x2, plain[1]), "no crops"
 
 
-def test_the_lr_falls_tenfold_every_lr_step_epochs_for_resnet_and_on_from_a_new_lr(
-        monkeypatch, tmp_path, capsys):
+def test_lr_schedule(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 2)
     run = RESNET + ["--max-steps", "1", "--run-dir", str(tmp_path)]
     ok(run + ["--epochs", "3"])
@@ -1255,7 +1171,7 @@ def test_the_lr_falls_tenfold_every_lr_step_epochs_for_resnet_and_on_from_a_new_
     assert lrs_of(capsys.readouterr().out) == [0.01] * 3, "the post's linear has no schedule"
 
 
-def test_a_diverged_epoch_is_recorded_as_null_and_the_run_stops(tmp_path, capsys):
+def test_a_diverged_run_stops(tmp_path, capsys):
     argv = LINEAR + ["--precision", "fp32", "--lr", "1e20", "--epochs", "5", "--run-dir"]
     assert amp_train.main(argv + [str(tmp_path)]) == 1
     err = capsys.readouterr().err
@@ -1266,8 +1182,7 @@ def test_a_diverged_epoch_is_recorded_as_null_and_the_run_stops(tmp_path, capsys
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 1
 
 
-def test_an_epoch_with_a_nan_test_loss_is_not_saved_and_the_run_goes_on(tmp_path, monkeypatch,
-                                                                        capsys):
+def test_a_nan_test_loss_is_not_saved(tmp_path, monkeypatch, capsys):
     evaluate, calls = amp_train.evaluate, []
     monkeypatch.setattr(amp_train, "evaluate", lambda *args: calls.append(1) or {
         **evaluate(*args), "loss": math.nan if len(calls) == 1 else 1.0})
@@ -1277,7 +1192,7 @@ def test_an_epoch_with_a_nan_test_loss_is_not_saved_and_the_run_goes_on(tmp_path
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 2
 
 
-def test_fp16_stops_when_an_inf_batch_leaves_nan_in_batchnorm(monkeypatch, tmp_path, capsys):
+def test_nan_batchnorm_statistics_stop(monkeypatch, tmp_path, capsys):
     # The scaler skips the inf batch's step, but its forward pass put inf/NaN into
     # BatchNorm's running statistics: that epoch is not saved, and the run cannot go on.
     calls, train_epoch = [], amp_train.train_epoch
@@ -1294,7 +1209,7 @@ def test_fp16_stops_when_an_inf_batch_leaves_nan_in_batchnorm(monkeypatch, tmp_p
         capsys.readouterr().err)
 
 
-def test_a_run_whose_scaler_skips_everything_stops(monkeypatch, capsys):
+def test_a_scale_that_collapses_stops(monkeypatch, capsys):
     monkeypatch.setattr(amp_train, "make_scaler", lambda device, dtype: torch.amp.GradScaler(
         device.type, growth_interval=1))
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "100", "--lr", "1e38"]) == 1
@@ -1307,8 +1222,7 @@ def test_a_run_whose_scaler_skips_everything_stops(monkeypatch, capsys):
 @pytest.mark.parametrize("amp_dtype,activation_bytes,weight_copy_bytes", [
     (None, 2 * 4 * 4, 0),            # x, 8 floats; the weight is not counted
     (BF16, 2 * 4 * 2, 3 * 4 * 2)])   # bf16 copies of x and of the weight
-def test_count_saved_tensors_counts_activations_and_weight_copies(amp_dtype, activation_bytes,
-                                                                  weight_copy_bytes):
+def test_count_saved_tensors(amp_dtype, activation_bytes, weight_copy_bytes):
     model = nn.Linear(4, 3, bias=False)
     with amp_train.count_saved_tensors(model) as saved:
         with torch.autocast("cpu", dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -1316,7 +1230,7 @@ def test_count_saved_tensors_counts_activations_and_weight_copies(amp_dtype, act
     assert saved == {"activation_bytes": activation_bytes, "weight_copy_bytes": weight_copy_bytes}
 
 
-def test_autocast_halves_the_activation_memory_of_a_conv_net():
+def test_autocast_halves_activations():
     torch.manual_seed(0)
     batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
     fp32, bf16 = (amp_train.measure_training(small_model(), batch, nn.CrossEntropyLoss(), CPU,
@@ -1327,8 +1241,7 @@ def test_autocast_halves_the_activation_memory_of_a_conv_net():
     assert 0 < bf16["step_seconds_min"] <= bf16["step_seconds"] <= bf16["step_seconds_max"]
 
 
-def test_the_memory_example_says_what_it_measures_then_compares_and_gives_a_verdict(
-        monkeypatch, capsys):
+def test_memory_example(monkeypatch, capsys):
     seen, measure = [], amp_train.measure_training
     monkeypatch.setattr(amp_train, "measure_training", lambda *args: seen.append(
         capsys.readouterr().out) or measure(*args))  # what was printed before each
@@ -1345,9 +1258,8 @@ def test_the_memory_example_says_what_it_measures_then_compares_and_gives_a_verd
         assert re.search(f"^{row}$", out, re.M), (row, out)
 
 
-@pytest.mark.parametrize("fp32,amp,noisy", [((1.0, 1.2), (0.5, 0.6), False),
-                                            ((1.0, 1.2), (0.5, 0.7), True),
-                                            ((1.0, 1.4), (0.5, 0.6), True)])
+@pytest.mark.parametrize("fp32,amp,noisy", [((1, 1.2), (0.5, 0.6), False),
+                                            ((1, 1.2), (0.5, 0.7), True), ((1, 1.4), (0.5, 0.6), True)])
 def test_noisy_timings_are_flagged(fp32, amp, noisy):
     fp32, amp = ({"activation_bytes": 1, "step_seconds": low, "step_seconds_min": low,
                   "step_seconds_max": high} for low, high in (fp32, amp))
@@ -1359,7 +1271,10 @@ def test_noisy_timings_are_flagged(fp32, amp, noisy):
 
 @pytest.mark.parametrize("model,stem", [("linear", None), ("resnet18", 3),
                                         ("resnet18-imagenet", 7)])
-def test_the_memory_example_builds_the_model_it_names(model, stem, monkeypatch, resnet18):
+def test_memory_models(model, stem, monkeypatch, resnet18, capsys):
+    if stem == 7:  # 1x1 maps and a batch of one: BatchNorm cannot train
+        argv = ["--device", "cpu", "--example", "memory", "--model", model, "--batch-size", "1"]
+        assert "raise --batch-size" in run_bad(argv, capsys)
     built = []
     monkeypatch.setattr(amp_train, "measure_training", lambda model, *a: built.append(model) or {
         "activation_bytes": 1, "step_seconds": 1, "step_seconds_min": 1, "step_seconds_max": 1})
@@ -1369,36 +1284,27 @@ def test_the_memory_example_builds_the_model_it_names(model, stem, monkeypatch, 
     assert len(built) == 2 and (conv1 and conv1.kernel_size[0]) == stem, built[0]
 
 
-def test_the_memory_example_on_a_batch_batchnorm_cannot_train_on_exits_2(capsys, resnet18):
-    argv = ["--device", "cpu", "--example", "memory", "--model", "resnet18-imagenet"]
-    assert "raise --batch-size" in run_bad(argv + ["--batch-size", "1"], capsys)
-
-
 # ---------- the command line
 
 @pytest.mark.parametrize("argv", [
     ["--example", "nope"], ["--precision", "fp8"], ["--device", "tpu"], ["--data", "imagenet"],
     ["--epochs", "0"], ["--batch-size", "0"], ["--max-steps", "-1"], ["--epochs", str(2**31)],
     ["--lr", "0"], ["--lr", "-0.1"], ["--lr", "nan"], ["--lr", "abc"], ["--lr", "inf"],
-    ["--clip-grad-norm", "-1"], ["--accum-steps", "1" + "0" * 30], ["--seed", "-1"],
+    ["--lr", "1e39", "is not in [5e-324, 3.4028234663852886e+38]"], ["--clip-grad-norm", "-1"],
+    ["--accum-steps", "1" + "0" * 30], ["--seed", "4294967296", "is not in [0, 4294967295]"],
     ["--no-such-flag"], ["--example", "memory", "--steps", "0"],
     ["--device", "cpu", "--example", "memory", "--precision", "fp32"],
     ["--example", "memory", "--run-dir", "x"], ["--device", "cpu", "--resume"],
     RESNET + ["--batch-size", "10001"]])
-def test_bad_flags_exit_2_with_one_line(argv, capsys):
-    run_bad(argv, capsys)
-    assert "epoch" not in capsys.readouterr().out
-
-
-def test_a_bound_is_printed_exactly(capsys):
-    assert "4294967296 is not in [0, 4294967295]" in run_bad(["--seed", "4294967296"], capsys)
-    assert "is not in [5e-324, 3.4028234663852886e+38]" in run_bad(["--lr", "1e39"], capsys)
+def test_bad_flags(argv, capsys):
+    says = argv.pop() if " " in argv[-1] else ""  # the bound, exactly
+    assert says in run_bad(argv, capsys) and "epoch" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("error", [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4e10 bytes")])
-def test_out_of_memory_exits_2_and_a_bug_or_ctrl_c_under_pytest_raises(error, monkeypatch, capsys):
+def test_out_of_memory(error, monkeypatch, capsys):
     def raising(error):
         return lambda *a: (_ for _ in ()).throw(error)
     monkeypatch.setattr(amp_train, "build_example", raising(error))
@@ -1409,7 +1315,7 @@ def test_out_of_memory_exits_2_and_a_bug_or_ctrl_c_under_pytest_raises(error, mo
             amp_train.main(LINEAR)
 
 
-def test_a_signal_while_an_error_is_reported_ends_in_the_stop_line(monkeypatch, capsys):
+def test_a_signal_while_reporting(monkeypatch, capsys):
     say = amp_train.say
 
     def interrupted(line, file=None):
@@ -1418,10 +1324,10 @@ def test_a_signal_while_an_error_is_reported_ends_in_the_stop_line(monkeypatch, 
         say(line, file)
     monkeypatch.setattr(amp_train, "say", interrupted)
     assert amp_train.main(["--epochs", "0"]) == 143
-    assert capsys.readouterr().err == "error: stopped by SIGTERM; nothing is saved without --run-dir\n"
+    assert capsys.readouterr().err == f"error: stopped by SIGTERM; {NOTHING}\n"
 
 
-def test_ctrl_c_and_sigterm_end_with_one_line_naming_the_saved_epoch(tmp_path):
+def test_ctrl_c_and_sigterm(tmp_path):
     signals = {"SIGTERM": [signal.SIGTERM], "SIGINT": [signal.SIGINT] * 4}
     runs = {name: script(*LINEAR, "--epochs", "100000", "--run-dir", str(tmp_path / name))
             for name in signals}
@@ -1437,24 +1343,23 @@ def test_ctrl_c_and_sigterm_end_with_one_line_naming_the_saved_epoch(tmp_path):
         saved = load(tmp_path / name / "checkpoint.pt")["epoch"]
         assert err == f"error: stopped by {name}; {tmp_path / name} holds epoch {saved}\n", err
         assert run.returncode == 128 + signals[name][0], run.returncode
-        bad = [line for line in out.splitlines() if not re.fullmatch(r"epoch +\d+/100000 \|.* s", line)]
+        bad = [x for x in out.splitlines() if not re.fullmatch(r"epoch +\d+/100000 \|.* s", x)]
         assert not bad and not list((tmp_path / name).glob("*.tmp")), bad
 
 
-def test_a_sigterm_after_the_last_epoch_changes_nothing():
+def test_a_sigterm_after_the_last_epoch():
     run = script(*LINEAR, "--epochs", "3")
     lines = [run.stdout.readline() for _ in range(4)]
     run.send_signal(signal.SIGTERM)  # as main() returns, or during torch's teardown
     err = run.stderr.read()
     run.wait(timeout=60)
     assert lines[-1].startswith("epoch 3/3") and (run.returncode, err) in [
-        (0, ""), (143, "error: stopped by SIGTERM; nothing is saved without --run-dir\n")], err
+        (0, ""), (143, f"error: stopped by SIGTERM; {NOTHING}\n")], err
 
 
 @requires_cuda
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_cuda_resnet_example_runs_and_the_memory_example_measures_peaks(precision, capsys,
-                                                                        resnet18):
+def test_cuda(precision, capsys, resnet18):
     argv = ["--device", "cuda", "--precision", precision, "--batch-size", "16"]
     ok(argv + ["--data", "synthetic", "--epochs", "1", "--max-steps", "3"])
     out = capsys.readouterr().out
