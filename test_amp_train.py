@@ -37,8 +37,7 @@ def small_model(imagenet_stem=False):
 
 @pytest.fixture(autouse=True)
 def fast(monkeypatch):
-    """Synthetic data made once a (size, seed, train); ResNet18 is small_model but in tests
-    that ask for the fixture resnet18."""
+    """Synthetic data made once; ResNet18 is small_model unless a test asks for resnet18."""
     monkeypatch.setattr(amp_train, "synthetic_cifar10", cached_synthetic_cifar10)
     monkeypatch.setattr(amp_train, "resnet18", small_model)
 
@@ -231,29 +230,20 @@ def test_amp_matches_fp32(precision):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
-def test_an_inf_step_is_skipped(device):
-    batch = linear_batch(8)
-    model, optimizer, scaler = linear_setup(device, FP16)
-    stats = train(model, [batch, with_inf(batch)], optimizer, scaler, FP16, device)
-    reference, ref_optimizer, ref_scaler = linear_setup(device, FP16)
-    train(reference, [batch], ref_optimizer, ref_scaler, FP16, device)
-    assert torch.equal(model.weight, reference.weight), "the inf batch changed the weights"
-    assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (2, 1, 2.0**15)
-    assert not math.isfinite(stats["loss"]), "the mean loss must show the inf"
-
-
 @pytest.mark.parametrize("kind", [{"foreach": False}, {"foreach": True}, {"fused": True}])
 @pytest.mark.parametrize("make", [torch.optim.SGD, torch.optim.Adam])
-def test_skips_counted_for_any_optimizer(make, kind, monkeypatch):
+def test_an_inf_step_is_skipped_and_counted(make, kind, device, monkeypatch):
     # A fused optimizer's kernel takes the inf check, so its step() always runs: this pins what
     # the private _found_inf_per_device gives, also for a model on two GPUs (found twice).
-    batch, (model, _, scaler) = linear_batch(8), linear_setup("cpu", FP16)
+    (model, _, scaler), (reference, *_) = linear_setup(device, FP16), linear_setup(device)
     found = scaler._found_inf_per_device
     monkeypatch.setattr(scaler, "_found_inf_per_device",
                         lambda opt: dict(enumerate(list(found(opt).values()) * 2)))
-    stats = train(model, [with_inf(batch), batch], make(model.parameters(), lr=0.01, **kind),
-                  scaler, FP16)
-    assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (2, 1, 2.0**15)
+    stats = train(model, [with_inf(linear_batch(8))], make(model.parameters(), lr=0.01, **kind),
+                  scaler, FP16, device)
+    assert torch.equal(model.weight, reference.weight), "the inf batch changed the weights"
+    assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (1, 1, 2.0**15)
+    assert not math.isfinite(stats["loss"]), "the mean loss must show the inf"
 
 
 def test_clipping_acts_on_unscaled_gradients():
@@ -321,20 +311,17 @@ def test_no_host_sync_per_step_and_progress_lines(amp_dtype, count, monkeypatch,
     plain = lambda model, lr: torch.optim.SGD(model.parameters(), lr)  # noqa: E731
     assert syncs(monkeypatch, 10, FP16, plain) == 12
     capsys.readouterr()
-    train(*linear_setup()[:1], split(4, 4) * 3, linear_setup()[1], log_seconds=0)
+    model, optimizer, _ = linear_setup()
+    train(model, split(4, 4) * 3, optimizer, log_seconds=0)
     lines = re.findall(r"^  step (\d) \| loss [\d.]+ \| \d+ samples/s$", capsys.readouterr().out,
                        re.M)
     assert lines == ["1", "2", "3"], "a line once log_seconds have passed"
 
 
 def test_evaluate():
-    seen, ce = [], nn.CrossEntropyLoss()
-
-    class Identity(nn.Linear):
-        def forward(self, x):
-            seen.append((torch.is_inference_mode_enabled(), self.training))
-            return super().forward(x)
-    model = Identity(3, 3, bias=False)
+    seen, ce, model = [], nn.CrossEntropyLoss(), nn.Linear(3, 3, bias=False)
+    model.register_forward_hook(lambda m, i, o: seen.append((torch.is_inference_mode_enabled(),
+                                                             m.training)))
     with torch.no_grad():
         model.weight.copy_(torch.eye(3) * 2)  # predicts the index of the largest input
     inputs, targets = torch.eye(3).repeat(2, 1), torch.tensor([0, 1, 2, 0, 2, 1])  # 4 of 6
@@ -415,8 +402,9 @@ def test_readmes_two_models():
         models = nn.Linear(10, 1), nn.Linear(10, 1)
         return (*models, *(torch.optim.SGD(m.parameters(), lr=0.01) for m in models),
                 torch.amp.GradScaler("cpu"))
-    (model0, model1, *rest), batches = setup(), split(32, 8)
-    not_enough()[2]["train_two_models"](model0, model1, *rest[:2], batches, MSE, rest[2], "cpu", FP16)
+    (model0, model1, optimizer0, optimizer1, scaler), batches = setup(), split(32, 8)
+    not_enough()[2]["train_two_models"](model0, model1, optimizer0, optimizer1, batches, MSE,
+                                        scaler, "cpu", FP16)
     ref0, ref1, optimizer0, optimizer1, scaler = setup()
     for input, target in batches:  # the torch.amp examples page's loop, on "cpu"
         optimizer0.zero_grad()
@@ -435,8 +423,6 @@ def test_readmes_two_models():
 
 
 # ---------- device, precision, processes
-
-
 
 def fake_cpu(monkeypatch, amx, avx512_bf16):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
@@ -481,7 +467,6 @@ def fake_gpus(monkeypatch, count, bf16=True):
 
 
 def test_device_choice(monkeypatch, capsys):
-    assert amp_train.resolve_device("cpu") == CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert amp_train.resolve_device("auto") == CPU
     cuda = ["--example", "linear", "--device", "cuda", "--precision", "bf16"]
@@ -552,9 +537,9 @@ def test_job_name_and_round_keys(monkeypatch):
     first = job(store, torch.device("cuda", 1))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     assert job(store) == first != job(dist.HashStore()), "a restart finds its job's name"
-    assert [(a, k["device_id"], k["rank"], k["world_size"], k["timeout"]) for a, k in calls[:2]] == [
-        (("nccl",), torch.device("cuda", 1), 1, 2, amp_train.DIST_TIMEOUT),
-        (("gloo",), None, 1, 2, amp_train.DIST_TIMEOUT)], calls
+    timeout = amp_train.DIST_TIMEOUT
+    assert [(a, k["device_id"], k["rank"], k["world_size"], k["timeout"]) for a, k in calls[:2]] \
+        == [(("nccl",), torch.device("cuda", 1), 1, 2, timeout), (("gloo",), None, 1, 2, timeout)]
     assert amp_train.DIST_TIMEOUT.total_seconds() <= 600, "a lost peer ends the run in 10 min"
     calls[1][1]["store"].set("key", "value")
     assert store.get("round3/key") == b"value", "a round read the keys of the round before"
@@ -720,10 +705,6 @@ def test_resnet18_cifar_stem(resnet18):
     assert zero_gradient_share(model) < 0.01, "over 1% of the weights got no gradient"
     # The post's ImageNet stem: README's figure (62% of the weights without a gradient).
     assert 0.60 < zero_gradient_share(amp_train.resnet18(imagenet_stem=True)) < 0.65
-    contiguous = amp_train.resnet18()
-    contiguous.load_state_dict(model.state_dict())
-    x = torch.randn(4, 3, 32, 32)
-    assert torch.allclose(model(x), contiguous(x), atol=1e-4), "channels_last changed it"
 
 
 def write_tiny_cifar10(root, per_batch=2):
@@ -759,8 +740,7 @@ def test_cifar10(tmp_path, monkeypatch, spy, capsys):
     monkeypatch.setattr(cifar, "download_and_extract_archive",
                         lambda *a, **k: (_ for _ in ()).throw(offline))
     err = run_bad(["--device", "cpu", "--data-root", str(tmp_path / "data")], capsys)
-    assert f"{tmp_path / 'data'}, nor online: put cifar-10-python.tar.gz there, or use --data " \
-           "synthetic" in err, err
+    assert "nor online: put cifar-10-python.tar.gz there, or use --data synthetic" in err, err
 
 
 def shuffled(n, batch_size, epoch=0, **kwargs):
@@ -830,6 +810,8 @@ def test_resume_is_bit_identical(example, epochs, split, tmp_path, capsys, monke
     a, b = tmp_path / "a", tmp_path / "b"
     ok(example + ["--epochs", str(epochs), "--run-dir", str(a)])
     ok(example + ["--epochs", str(split), "--run-dir", str(b)])
+    with open(b / "metrics.jsonl", "a") as f:  # a later epoch, torn, foreign: the checkpoint's win
+        f.write('{"example": "linear", "epoch": 3}\n{"example": "lin\n[1, 2]\n{"epoch": NaN}\n')
     ok(example + ["--epochs", str(epochs), "--run-dir", str(b), "--resume"])
     assert f"resumed from {b} after epoch {split}" in capsys.readouterr().out
     a_state, b_state = load(a / "checkpoint.pt"), load(b / "checkpoint.pt")
@@ -848,18 +830,14 @@ def test_checkpoint_writes(tmp_path, monkeypatch):
     state = load(tmp_path / "checkpoint.pt")  # raises on all but tensors and plain types
     assert (state["epoch"], state["loss_scale"], state["args"]["precision"]) == (2, 65536.0, "fp16")
     assert calls == ["fsync", "onl", "fsync", ".pt"] * 3, "before epoch 1, then after each"
-    assert sorted(files_of(tmp_path)) == ["checkpoint.pt", "metrics.jsonl"], "no lock file"
+    assert sorted(files_of(tmp_path)) == ["checkpoint.pt", "metrics.jsonl"], "nothing else"
 
 
 def wrapped(error):
     """What torch.save raised on a full tmpfs: the error, in its zip writer's RuntimeError."""
-    try:
-        raise error
-    except BaseException:
-        try:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
-        except RuntimeError as outer:
-            return outer
+    outer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+    outer.__context__ = error  # as a raise inside an except block sets it
+    return outer
 
 
 @pytest.mark.parametrize("error,status,says", [
@@ -919,7 +897,7 @@ def weight(value, dtype=torch.float32):
     (lambda path: (edited()(path), path.write_bytes(path.read_bytes()[:200])), "BadZipFile"),
     (edited(save={"_use_new_zipfile_serialization": False}), "BadZipFile"),
     (zip_bomb, "unpacks to too much"), (lambda path: path.write_bytes(bytes(2**20 + 1)), "no file"),
-    (nested, "RecursionError"), (edited(epoch=math.inf), "damaged"), (edited(epoch=-5), "damaged"),
+    (nested, "RecursionError"), (edited(epoch=math.inf), "damaged"),
     (edited(epoch=True), "damaged"), (edited(epoch=0), "damaged"),
     (edited(model=None), "KeyError"), (edited(args={"lr": 0.01}), "flags are refused"),
     (edited(args__lr=-1.0), "damaged"),
@@ -945,18 +923,6 @@ def test_a_bad_checkpoint(make, says, tmp_path, monkeypatch, capsys):
     assert says in err and files_of(tmp_path) == before, err  # and no pwned file
 
 
-def test_hyperparameters_are_the_flags(tmp_path, capsys):
-    edited(param_groups=[{"lr": 0.0}], scaler={"growth_factor": 1e9})(tmp_path / "checkpoint.pt")
-    ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path), "--resume"])
-    assert lrs_of(capsys.readouterr().out)[-1] == 0.01, "the extra keys were read"
-    assert load(tmp_path / "checkpoint.pt")["loss_scale"] == 65536.0, "it grew by 1e9"
-    run = LINEAR + ["--run-dir", str(tmp_path / "denormal")]
-    ok(run + ["--epochs", "1", "--lr", "5e-324"])
-    ok(run + ["--epochs", "2", "--lr", "0.01", "--resume"])
-    out = capsys.readouterr().out
-    assert "note: --lr 0.01 replaces the checkpoint's 5e-324" in out and lrs_of(out)[-1] == 0.01
-
-
 def link(path):
     (path.parent / "precious.txt").write_text("work")
     path.symlink_to(path.parent / "precious.txt")
@@ -965,6 +931,7 @@ def link(path):
 @pytest.mark.parametrize("name,make,says", [
     ("metrics.jsonl", os.mkfifo, "no file this program wrote"), ("checkpoint.pt", os.mkfifo, "no"),
     ("checkpoint.pt", link, "cannot read"), ("checkpoint.pt.tmp", os.mkdir, "directory"),
+    ("metrics.jsonl.tmp", os.mkdir, "directory"),
     ("file", pathlib.Path.touch, "File exists"), ("x" * 300, None, "too long")])
 def test_what_stands_in_the_folder(name, make, says, tmp_path, capsys):
     folder = tmp_path / name if make in (pathlib.Path.touch, None) else tmp_path
@@ -1018,39 +985,20 @@ def test_one_run_owns_its_folder(tmp_path, capsys):
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2, "the metrics changed"
 
 
-def test_metrics_come_from_the_checkpoint(tmp_path):
-    ok(LINEAR_FP16 + ["--epochs", "4", "--run-dir", str(tmp_path / "a")])
-    run = LINEAR_FP16 + ["--run-dir", str(tmp_path / "run")]
-    ok(run + ["--epochs", "2"])
-    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # a later epoch, torn, foreign
-        f.write('{"example": "linear", "epoch": 3}\n{"example": "lin\n[1, 2]\n{"epoch": NaN}\n')
-    ok(run + ["--epochs", "4", "--resume"])
-    assert untimed(tmp_path / "run" / "metrics.jsonl") == untimed(tmp_path / "a" / "metrics.jsonl")
-
-
-def test_a_failed_metrics_write(tmp_path, monkeypatch, capsys):
-    replace_file = amp_train.replace_file
-
-    def full_at_epoch_1(path, write):
-        if path.endswith("jsonl") and os.path.exists(path):
-            raise OSError(28, "No space left on device")
-        replace_file(path, write)
-    monkeypatch.setattr(amp_train, "replace_file", full_at_epoch_1)
-    err = run_bad(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)], capsys)
-    assert "could not write in" in err and err.endswith(f"{tmp_path} holds epoch 0\n"), err
-
-
 def test_flags_on_resume(tmp_path, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
-    ok(run + ["--epochs", "3", "--lr", "0.05", "--batch-size", "16", "--precision", "fp32",
+    ok(run + ["--epochs", "3", "--lr", "5e-324", "--batch-size", "16", "--precision", "fp32",
               "--clip-grad-norm", "1", "--max-steps", "5"])
     ok(run + ["--epochs", "4", "--resume"])
     out = capsys.readouterr().out
-    assert "note:" not in out and "precision fp32" in out and lrs_of(out)[-1] == 0.05, out
+    assert "note:" not in out and "precision fp32" in out and "| lr 4.941e-324 |" in out, out
     saved = load(tmp_path / "checkpoint.pt")["args"]
     assert (saved["batch_size"], saved["clip_grad_norm"], saved["max_steps"]) == (16, 1.0, 5)
-    ok(run + ["--epochs", "5", "--resume", "--clip-grad-norm", "0", "--max-steps", "0"])
-    assert "note: --clip-grad-norm 0.0 replaces the checkpoint's 1.0" in capsys.readouterr().out
+    ok(run + ["--epochs", "5", "--resume", "--clip-grad-norm", "0", "--max-steps", "0",
+              "--lr", "0.05"])
+    out = capsys.readouterr().out
+    assert "note: --clip-grad-norm 0.0 replaces the checkpoint's 1.0" in out, out
+    assert "note: --lr 0.05 replaces the checkpoint's 5e-324" in out and lrs_of(out)[-1] == 0.05
     saved = load(tmp_path / "checkpoint.pt")["args"]
     assert (saved["clip_grad_norm"], saved["max_steps"]) == (0.0, 0), "a limit can go"
     run = RESNET + ["--max-steps", "1", "--run-dir", str(tmp_path / "resnet")]
@@ -1080,8 +1028,8 @@ def test_resume_in_another_precision(first, then, tmp_path, capsys):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records what main() hands train_epoch each epoch: batches, keyword arguments, output
-    dtypes, the first weight before, and the gradient norm each step saw."""
+    """Records each train_epoch call: its batches, kwargs, output dtypes, first weight
+    before, and the gradient norm each step saw."""
     calls, real = [], amp_train.train_epoch
 
     def recording(model, loader, optimizer, *args, **kwargs):
@@ -1148,16 +1096,11 @@ def test_seed_flag_and_reshuffles(spy, capsys):
         ok(RESNET + ["--epochs", "2", "--max-steps", "1", "--seed", seed])
     first = [spy[i]["batches"][0][0] for i in (0, 2, 4)]
     assert torch.equal(spy[0]["weight"], spy[2]["weight"]) and torch.equal(first[0], first[1])
-    assert not torch.equal(spy[0]["weight"], spy[4]["weight"]), "another seed, same weights"
-    assert not torch.equal(first[0], first[2]), "another seed, the same batches"
-    (x1, y1), (x2, y2) = spy[0]["batches"][0], spy[1]["batches"][0]
-    assert not torch.equal(y1, y2), "two epochs saw the same order"
-    loader = amp_train.DeviceLoader(*amp_train.synthetic_cifar10(10_000), 4, CPU,
-                                    amp_train.cifar10_transform(CPU, False), shuffle=True)
-    plain = [next(iter(loader))[0]]
-    loader.epoch = 1
-    plain.append(next(iter(loader))[0])
-    assert not torch.equal(x1, plain[0]) and not torch.equal(x2, plain[1]), "no crops"
+    assert not torch.equal(spy[0]["weight"], spy[4]["weight"]) and not torch.equal(*first[::2])
+    assert not torch.equal(spy[0]["batches"][0][1], spy[1]["batches"][0][1]), "epochs alike"
+    plain = amp_train.DeviceLoader(*amp_train.synthetic_cifar10(10_000), 4, CPU,
+                                   amp_train.cifar10_transform(CPU, False), shuffle=True)
+    assert not torch.equal(first[0], next(iter(plain))[0]), "the training batches are not cropped"
 
 
 def test_lr_schedule(monkeypatch, tmp_path, capsys):
@@ -1231,13 +1174,11 @@ def test_count_saved_tensors(amp_dtype, activation_bytes, weight_copy_bytes):
 
 
 def test_autocast_halves_activations():
-    torch.manual_seed(0)
     batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
     fp32, bf16 = (amp_train.measure_training(small_model(), batch, nn.CrossEntropyLoss(), CPU,
                                              dtype, steps=3) for dtype in (None, BF16))
     assert bf16["activation_bytes"] / fp32["activation_bytes"] < 0.6, (bf16, fp32)
-    assert fp32["weight_copy_bytes"] == 0 < bf16["weight_copy_bytes"], (fp32, bf16)
-    assert "peak_bytes" not in bf16, "no peak memory figure on the CPU"
+    assert fp32["weight_copy_bytes"] == 0 < bf16["weight_copy_bytes"] and "peak_bytes" not in bf16
     assert 0 < bf16["step_seconds_min"] <= bf16["step_seconds"] <= bf16["step_seconds_max"]
 
 
@@ -1258,8 +1199,8 @@ def test_memory_example(monkeypatch, capsys):
         assert re.search(f"^{row}$", out, re.M), (row, out)
 
 
-@pytest.mark.parametrize("fp32,amp,noisy", [((1, 1.2), (0.5, 0.6), False),
-                                            ((1, 1.2), (0.5, 0.7), True), ((1, 1.4), (0.5, 0.6), True)])
+@pytest.mark.parametrize("fp32,amp,noisy", [
+    ((1, 1.2), (.5, .6), False), ((1, 1.2), (.5, .7), True), ((1, 1.4), (.5, .6), True)])
 def test_noisy_timings_are_flagged(fp32, amp, noisy):
     fp32, amp = ({"activation_bytes": 1, "step_seconds": low, "step_seconds_min": low,
                   "step_seconds_max": high} for low, high in (fp32, amp))
@@ -1287,9 +1228,8 @@ def test_memory_models(model, stem, monkeypatch, resnet18, capsys):
 # ---------- the command line
 
 @pytest.mark.parametrize("argv", [
-    ["--example", "nope"], ["--precision", "fp8"], ["--device", "tpu"], ["--data", "imagenet"],
-    ["--epochs", "0"], ["--batch-size", "0"], ["--max-steps", "-1"], ["--epochs", str(2**31)],
-    ["--lr", "0"], ["--lr", "-0.1"], ["--lr", "nan"], ["--lr", "abc"], ["--lr", "inf"],
+    ["--example", "nope"], ["--precision", "fp8"], ["--epochs", "0"], ["--batch-size", "0"],
+    ["--max-steps", "-1"], ["--epochs", str(2**31)], ["--lr", "0"], ["--lr", "nan"],
     ["--lr", "1e39", "is not in [5e-324, 3.4028234663852886e+38]"], ["--clip-grad-norm", "-1"],
     ["--accum-steps", "1" + "0" * 30], ["--seed", "4294967296", "is not in [0, 4294967295]"],
     ["--no-such-flag"], ["--example", "memory", "--steps", "0"],
