@@ -342,7 +342,7 @@ def test_evaluate():
 def test_readmes_dict_batch_adapter():
     x, y = linear_batch(16)
     user = {"loader": [{"input_ids": x[i:i + 8], "labels": y[i:i + 8]} for i in (0, 8)]}
-    exec(re.search(r"^ *(pairs = .*)$", README, re.M).group(1), user)
+    exec(re.search(r"`(pairs = .*)`", README).group(1), user)
     assert train(nn.Linear(10, 1), user["pairs"], linear_setup()[1])["samples"] == 16
 
 
@@ -546,8 +546,7 @@ def test_job_name_and_round_keys(monkeypatch):
 
 
 def ddp_worker(rank, argv, out_dir, port):
-    """One process of a 2-process run, set up as torchrun would; saves its exit code, output
-    and model state."""
+    """One process of two, as torchrun sets it up; saves its exit code, output, model state."""
     os.environ.update(torchrun_env(port, rank))
     torch.set_num_threads(1)
     amp_train.resnet18 = small_model  # DDP works alike on 256 images: 10,000 take seconds
@@ -836,7 +835,7 @@ def test_checkpoint_writes(tmp_path, monkeypatch):
 def wrapped(error):
     """What torch.save raised on a full tmpfs: the error, in its zip writer's RuntimeError."""
     outer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
-    outer.__context__ = error  # as a raise inside an except block sets it
+    outer.__context__ = error
     return outer
 
 
@@ -897,14 +896,12 @@ def weight(value, dtype=torch.float32):
     (lambda path: (edited()(path), path.write_bytes(path.read_bytes()[:200])), "BadZipFile"),
     (edited(save={"_use_new_zipfile_serialization": False}), "BadZipFile"),
     (zip_bomb, "unpacks to too much"), (lambda path: path.write_bytes(bytes(2**20 + 1)), "no file"),
-    (nested, "RecursionError"), (edited(epoch=math.inf), "damaged"),
-    (edited(epoch=True), "damaged"), (edited(epoch=0), "damaged"),
-    (edited(model=None), "KeyError"), (edited(args={"lr": 0.01}), "flags are refused"),
-    (edited(args__lr=-1.0), "damaged"),
-    (edited(args__precision=None), "flags are refused"), (edited(loss_scale="65536"), "damaged"),
-    (edited(loss_scale=0.0), "damaged"), (edited(model={"weight": torch.zeros(3)}), "not fit"),
-    (weight(math.nan), "damaged"), (weight(complex(math.inf, 0), torch.complex64), "damaged"),
-    (weight(0.0, torch.float64), "damaged"),
+    (nested, "RecursionError"), (edited(epoch=math.inf), "damaged"), (edited(epoch=0), "damaged"),
+    (edited(epoch=True), "damaged"), (edited(model=None), "KeyError"),
+    (edited(args__lr=-1), "damaged"), (edited(args={"lr": 0.01}), "flags are refused"),
+    (edited(loss_scale="65536"), "damaged"), (edited(loss_scale=0.0), "damaged"),
+    (edited(model={"weight": torch.zeros(3)}), "not fit"), (weight(math.nan), "damaged"),
+    (weight(0.0, torch.float64), "damaged"), (weight(math.inf, torch.complex64), "damaged"),
     # Momentum of 3 for a weight of 10: loading it once corrupted memory (SIGABRT).
     (edited(optimizer={0: {"momentum_buffer": torch.zeros(3)}}), "not fit"),
     (edited(optimizer={0: "x"}), "not fit")])
@@ -1009,9 +1006,6 @@ def test_flags_on_resume(tmp_path, capsys):
     before = files_of(tmp_path / "resnet")
     err = run_bad(run + ["--epochs", "3", "--resume", "--data", "cifar10"], capsys)
     assert "trained on --data synthetic" in err and files_of(tmp_path / "resnet") == before, err
-    edited(args__seed="0", args__lr="0.01")(tmp_path / "s" / "checkpoint.pt")  # strings
-    ok(LINEAR_FP16 + ["--epochs", "2", "--seed", "0", "--run-dir", str(tmp_path / "s"), "--resume"])
-    assert "note:" not in capsys.readouterr().out, "they are compared as the flags read"
 
 
 @pytest.mark.parametrize("first,then", [("fp16", "bf16"), ("bf16", "fp16"), ("fp16", "fp32")])
@@ -1194,7 +1188,7 @@ def test_memory_example(monkeypatch, capsys):
     for row in (r" +fp32 +bf16 +bf16/fp32", r"activation_bytes +[\d.]+ KiB +[\d.]+ KiB +0\.\d\d",
                 r"weight_copy_bytes +0\.00 KiB +[\d.]+ KiB +n/a",
                 r"step_seconds_max +[\d.]+ ms +[\d.]+ ms +[\d.]+",
-                r"verdict: linear, batch 128, cpu \(bf16: .*\), torch .*: a bf16 step takes "
+                r"verdict: linear, batch 128, cpu \(bf16: .*\), torch .*: bf16 steps take "
                 r"[\d.]+x fp32's time, 0\.\d\dx its activation memory; AMP is (not )?faster here"):
         assert re.search(f"^{row}$", out, re.M), (row, out)
 
@@ -1202,8 +1196,8 @@ def test_memory_example(monkeypatch, capsys):
 @pytest.mark.parametrize("fp32,amp,noisy", [
     ((1, 1.2), (.5, .6), False), ((1, 1.2), (.5, .7), True), ((1, 1.4), (.5, .6), True)])
 def test_noisy_timings_are_flagged(fp32, amp, noisy):
-    fp32, amp = ({"activation_bytes": 1, "step_seconds": low, "step_seconds_min": low,
-                  "step_seconds_max": high} for low, high in (fp32, amp))
+    fp32, amp = ({"activation_bytes": 1, "step_seconds": median, "step_seconds_min": low,
+                  "step_seconds_max": 9} for low, median in (fp32, amp))
     args = amp_train.parse_args(["--example", "memory", "--precision", "bf16"])
     lines = list(amp_train.memory_report(args, CPU, fp32, amp))
     assert "AMP is faster here" in lines[-1 - noisy], lines
@@ -1278,8 +1272,8 @@ def test_ctrl_c_and_sigterm(tmp_path):
             run.send_signal(signum)
             time.sleep(0.003)
     for name, run in runs.items():
-        out, err = run.stdout.read(), run.stderr.read()  # communicate() would skip what
-        run.wait(timeout=60)                               # readline() buffered
+        out, err = run.stdout.read(), run.stderr.read()  # communicate() skips the read lines
+        run.wait(timeout=60)
         saved = load(tmp_path / name / "checkpoint.pt")["epoch"]
         assert err == f"error: stopped by {name}; {tmp_path / name} holds epoch {saved}\n", err
         assert run.returncode == 128 + signals[name][0], run.returncode
@@ -1288,13 +1282,16 @@ def test_ctrl_c_and_sigterm(tmp_path):
 
 
 def test_a_sigterm_after_the_last_epoch():
-    run = script(*LINEAR, "--epochs", "3")
-    lines = [run.stdout.readline() for _ in range(4)]
-    run.send_signal(signal.SIGTERM)  # as main() returns, or during torch's teardown
-    err = run.stderr.read()
-    run.wait(timeout=60)
-    assert lines[-1].startswith("epoch 3/3") and (run.returncode, err) in [
-        (0, ""), (143, f"error: stopped by SIGTERM; {NOTHING}\n")], err
+    # An atexit hook stands in for torch's teardown, which takes a while after main() returns.
+    teardown = "lambda: print('teardown', file=sys.stderr, flush=True) or time.sleep(2)"
+    run = subprocess.Popen([sys.executable, "-c", f"import atexit, runpy, sys, time; atexit."
+                            f"register({teardown}); sys.argv = [{SCRIPT!r}, *{LINEAR!r}]; "
+                            "runpy.run_path(sys.argv[0], run_name='__main__')"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert run.stderr.readline() == "teardown\n"
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=60)
+    assert (run.returncode, err) == (0, "") and "epoch 100/100" in out, (run.returncode, err)
 
 
 @requires_cuda
