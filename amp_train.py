@@ -40,10 +40,10 @@ LR_STEP_EPOCHS = 10
 LR_GAMMA = 0.1
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 # The flags of a run: a resumed one keeps the checkpoint's unless given again.
-RUN_FLAGS = ("epochs", "precision", "batch_size", "lr", "data", "max_steps",
+RUN_FLAGS = ("epochs", "example", "precision", "batch_size", "lr", "data", "max_steps",
              "clip_grad_norm", "accum_steps", "seed")
 CHECKPOINT_FORMAT = "amp_train checkpoint 4"
-CHECKPOINT_FIELDS = {"format": (str,), "job": (str, type(None)),
+CHECKPOINT_FIELDS = {"format": (str,), "job": (str,),
                      "epoch": (int,), "args": (dict,), "metrics": (list,),
                      "model": (dict,), "optimizer": (dict,), "loss_scale": (float,),
                      "growth_tracker": (int,)}
@@ -168,7 +168,7 @@ def say(line, file=None):
 # ---------- device, precision, processes
 
 def resolve_device(name):
-    """cuda for 'auto' if a GPU is seen; GPU LOCAL_RANK under torchrun."""
+    """cuda for 'auto' if a GPU is seen; GPU LOCAL_RANK under torchrun, made current."""
     if name == "cpu" or name == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -176,6 +176,8 @@ def resolve_device(name):
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_rank >= torch.cuda.device_count():  # two processes on one GPU: OOM
         raise UsageError(f"process {local_rank} has no GPU: start fewer")
+    torch.cuda.set_device(local_rank)  # for what asks the current GPU
+    torch.backends.cudnn.benchmark = True  # fixed shapes: time once
     return torch.device("cuda", local_rank)
 
 
@@ -212,7 +214,7 @@ def cpu_notes(args, device):
         notes.append("warning: fp16 is very slow on CPUs: bf16 or fp32 is faster")
     if cpu_bf16() == "none":
         notes.append("note: this CPU has no bf16 instructions (AMX, AVX512-BF16): bf16 "
-                     "is emulated, slower, so auto is fp32 (--precision bf16 forces it)")
+                     "is emulated, slower: auto trains in fp32 (--precision bf16 forces it)")
     return notes
 
 
@@ -229,9 +231,9 @@ def make_optimizer(model, lr):
 
 def init_distributed(device):
     """Under torchrun, joins the processes' group (NCCL, or gloo on CPUs); returns
-    the job's name, or None."""
+    the job's name."""
     if "WORLD_SIZE" not in os.environ:
-        return None
+        return os.urandom(16).hex()  # a job of its own
     store, rank, world_size = wait_for_peers()
     # torchrun's store outlives restarts: the first process names the job, restarts find
     # the name. Each round gets keys of its own (the last one's hung gloo).
@@ -404,23 +406,19 @@ def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
 
 # ---------- the run folder
 
-def open_run_dir(folder, resume, job):
-    """Locks the run folder (the kernel lets go when the process dies); returns the lock
-    and the checkpoint to go on from, or None."""
+def open_run_dir(folder, resume, job, run):
+    """Locks the folder into run["lock"] (the kernel lets go when the process dies);
+    returns the checkpoint to go on from, or None."""
     try:
         if not resume:
             os.makedirs(folder, exist_ok=True)
-        lock = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        run["lock"] = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(run["lock"], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"another run is using {folder}") from None
     except OSError as e:
         raise UsageError(f"cannot use --run-dir {folder} ({e})") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return lock, checkpoint_to_resume(folder, resume, job)
-    except BaseException as e:
-        os.close(lock)
-        if isinstance(e, BlockingIOError):
-            raise UsageError(f"another run is using {folder}") from None
-        raise
+    return checkpoint_to_resume(folder, resume, job)
 
 
 def checkpoint_to_resume(folder, resume, job):
@@ -433,8 +431,7 @@ def checkpoint_to_resume(folder, resume, job):
         if read_file(metrics):
             raise UsageError(f"{folder} holds metrics, no checkpoint: delete {metrics}")
         return None
-    restarted = job is not None and state["job"] == job  # torchrun restarted this job
-    if not (resume or restarted):
+    if not (resume or state["job"] == job):  # or torchrun restarted this job
         raise UsageError(f"{folder} holds a checkpoint: add --resume")
     return state
 
@@ -498,32 +495,33 @@ def load_checkpoint(folder):
             raise ValueError("it unpacks to too much")
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         check_checkpoint(state)
-    except Exception as e:  # not a zip, truncated, foreign types, too deep
+    except Exception as e:  # not a zip, truncated, foreign types
         raise UsageError(f"{path} is not a checkpoint of this amp_train.py "
                          f"({type(e).__name__}: {str(e)[:80]})") from None
     return state
 
 
 def check_checkpoint(state):
-    """Raises ValueError unless `state` is what save_run writes, known good."""
+    """Raises unless `state` has save_run's layout, known good. Only that layout is
+    walked: a crafted file can nest or reuse a list to make a walk endless."""
     typed = all(type(state[key]) in kinds for key, kinds in CHECKPOINT_FIELDS.items())
+    buffers = itertools.chain(*map(dict.values, state["optimizer"].values()))
+    tensors = [*state["model"].values(), *buffers]
     if not (typed and state["format"] == CHECKPOINT_FORMAT
             and len(state["metrics"]) == state["epoch"]  # one line an epoch
-            and state["loss_scale"] > 0 and known_good(state)):
+            and {*map(type, state["metrics"])} <= {str}
+            and {*map(type, state["args"].values())} <= {int, float, str}  # for parse_args
+            and MIN_LOSS_SCALE <= state["loss_scale"] <= 2.0**127  # finite in float32
+            and 0 <= state["growth_tracker"] < 2**31  # the scaler's is an int32
+            and sum(t.numel() for t in tensors) <= MAX_CHECKPOINT_BYTES // 4  # bounded time
+            and all(map(known_good, tensors))):
         raise ValueError("it is damaged, or of another version")
 
 
-def known_good(value):
-    """True if each number in `value` is finite, not negative, and each tensor a finite
-    float32 or an int64 one, the model's dtypes."""
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return all(map(known_good, value))
-    if torch.is_tensor(value):
-        floats = value.dtype == torch.float32 and bool(value.isfinite().all())
-        return floats or value.dtype == torch.int64
-    return not isinstance(value, (int, float)) or 0 <= value < math.inf
+def known_good(tensor):
+    """A finite float32 tensor or an int64 one: the model's dtypes."""
+    finite = tensor.dtype == torch.float32 and bool(tensor.isfinite().all())
+    return finite or tensor.dtype == torch.int64
 
 
 def resume_args(argv, state, device):
@@ -535,7 +533,7 @@ def resume_args(argv, state, device):
         raise UsageError(f"the checkpoint's flags are refused ({e})") from None
     args = parse_args(saved + argv)
     args.precision = resolve_precision(args.precision, device, args.example)
-    # RUN_FLAGS[1:]: all but --epochs, which a resumed run raises
+    # RUN_FLAGS[1:]: all but --epochs, which a resume raises
     changed = [key for key in RUN_FLAGS[1:] if getattr(args, key) != getattr(before, key)]
     if "data" in changed:
         raise UsageError(f"the checkpoint was trained on --data {before.data}")
@@ -555,7 +553,7 @@ def restore(state, model, optimizer, scaler):
                 raise ValueError(f"optimizer state that does not fit parameter {index}")
         groups = optimizer.state_dict()["param_groups"]  # this run's lr, momentum
         optimizer.load_state_dict({"state": state["optimizer"], "param_groups": groups})
-    except (AttributeError, IndexError, KeyError, RuntimeError, ValueError) as e:
+    except Exception as e:  # another key, shape or type
         raise UsageError(f"the checkpoint does not fit ({' '.join(str(e).split())})") from None
     if state["args"]["precision"] == "fp16":  # a disabled scaler takes nothing
         scaler.load_state_dict({**scaler.state_dict(), "scale": state["loss_scale"],
@@ -595,7 +593,7 @@ def holds(folder):
 
 # ---------- the training examples
 
-def run_training(args, device, state=None, notes=(), job=None):
+def run_training(args, device, job, state, notes):
     """The resnet and linear examples: train, test, print, save each epoch; returns
     0, or 1 if training diverged. Rank 0 alone prints and writes."""
     rank, world_size = rank_and_world()
@@ -684,7 +682,7 @@ def json_line(record):
 
 def epoch_problem(record, model):
     """(Why this epoch is not saved, whether the run must stop), or (None, False)."""
-    tensors = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    tensors = model.state_dict()
     finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()  # a sync
     if not all(finite):  # NaN weights or BatchNorm statistics stay
         return f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN", True
@@ -897,9 +895,6 @@ def run_example(argv, run):
     """Sets up device, processes and run folder; runs the example."""
     args = parse_args(argv)
     device = resolve_device(args.device)
-    if device.type == "cuda":  # for what asks the current GPU
-        torch.cuda.set_device(device)
-    torch.backends.cudnn.benchmark = device.type == "cuda"  # fixed shapes: time once
     args.precision = resolve_precision(args.precision, device, args.example)
     job = init_distributed(device)
     run["dir"] = args.run_dir
@@ -909,7 +904,7 @@ def run_example(argv, run):
     if state is not None:
         args, notes = resume_args(argv, state, device)
     if args.example != "memory":
-        status = run_training(args, device, state, notes, job)
+        status = run_training(args, device, job, state, notes)
         if dist.is_initialized():
             dist.barrier()  # all end their last collective before any leaves
         return status
@@ -925,7 +920,7 @@ def take_run_dir(args, job, run):
     state = [None]
     if rank_and_world()[0] == 0:
         try:
-            run["lock"], state[0] = open_run_dir(args.run_dir, args.resume, job)
+            state[0] = open_run_dir(args.run_dir, args.resume, job, run)
         except UsageError as e:
             state[0] = e
     if dist.is_initialized():

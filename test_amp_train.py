@@ -92,6 +92,10 @@ def with_inf(batch):
     return x, batch[1]
 
 
+def raising(error):
+    return lambda *args, **kwargs: (_ for _ in ()).throw(error)
+
+
 def generator_of(batches):
     yield from batches  # no len(): a streaming data set
 
@@ -125,16 +129,13 @@ def script(*argv, **env):
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def retry_if_the_port_was_taken(run):
     """run(port) on a port free a moment ago: another process may take it first."""
     for _ in range(3):
-        result = run(free_port())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        result = run(port)
         if "EADDRINUSE" not in str(result):
             return result
     raise AssertionError(f"three ports were taken: {result}")
@@ -218,7 +219,7 @@ def test_autocast_dtypes(device, amp_dtype):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_amp_matches_fp32(precision):
-    # Measured: bf16 ends 1.0e-4 from fp32's loss, fp16 1.3e-5; the tolerance is ~10x that.
+    # Measured: bf16 ends 1.0e-4 from fp32's loss, fp16 1.3e-5; the tolerance is ~10x.
     def fit(amp_dtype):
         model, optimizer, scaler = linear_setup("cpu", amp_dtype)
         for _ in range(100):
@@ -478,7 +479,7 @@ def test_device_choice(monkeypatch, capsys):
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     ok(cuda)
     assert seen == {"device": torch.device("cuda", 1), "benchmark": True, "precision": "bf16"}
-    assert current == [torch.device("cuda", 1)], current
+    assert current == [1], current
     monkeypatch.setenv("LOCAL_RANK", "2")  # three processes would share two GPUs
     assert "has no GPU" in run_bad(cuda, capsys)
     fake_gpus(monkeypatch, 1, bf16=False)
@@ -501,8 +502,11 @@ def test_processes_that_cannot_meet(monkeypatch, capsys):
             monkeypatch.setenv(key, value)
         assert "EADDRINUSE" in run_bad(LINEAR, capsys, status=3)
     monkeypatch.setattr(amp_train, "DIST_TIMEOUT", amp_train.datetime.timedelta(seconds=1))
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # rank 1 never comes
-    assert "1/2 clients joined" in run_bad(LINEAR, capsys, status=3)
+
+    def alone(port):  # rank 1 never comes
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        return run_bad(LINEAR, capsys, status=3)
+    assert "1/2 clients joined" in retry_if_the_port_was_taken(alone)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -540,7 +544,6 @@ def test_job_name_and_round_keys(monkeypatch):
     timeout = amp_train.DIST_TIMEOUT
     assert [(a, k["device_id"], k["rank"], k["world_size"], k["timeout"]) for a, k in calls[:2]] \
         == [(("nccl",), torch.device("cuda", 1), 1, 2, timeout), (("gloo",), None, 1, 2, timeout)]
-    assert amp_train.DIST_TIMEOUT.total_seconds() <= 600, "a lost peer ends the run in 10 min"
     calls[1][1]["store"].set("key", "value")
     assert store.get("round3/key") == b"value", "a round read the keys of the round before"
 
@@ -685,7 +688,7 @@ def test_torchrun_restarts_go_on_and_a_new_job_takes_nothing(tmp_path):
     assert second.stderr.count("holds a checkpoint: add --resume") == 2, second.stderr
     assert re.search(r"exitcode *: 2 ", second.stderr), second.stderr
     assert 'amp_train.py", line' not in second.stderr, "a worker ended in a traceback"
-    assert files_of(tmp_path / "run") == before, "the other job's files were changed"
+    assert files_of(tmp_path / "run") == before, "the other job's files changed"
 
 
 # ---------- models and data
@@ -702,7 +705,7 @@ def test_resnet18_cifar_stem(resnet18):
     assert model.conv1.kernel_size == (3, 3) and isinstance(model.maxpool, nn.Identity)
     assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     assert zero_gradient_share(model) < 0.01, "over 1% of the weights got no gradient"
-    # The post's ImageNet stem: README's figure (62% of the weights without a gradient).
+    # The post's ImageNet stem: README's 62% of the weights without a gradient.
     assert 0.60 < zero_gradient_share(amp_train.resnet18(imagenet_stem=True)) < 0.65
 
 
@@ -735,9 +738,8 @@ def test_cifar10(tmp_path, monkeypatch, spy, capsys):
     images = torch.cat([x for x, _ in spy[0]["batches"]])  # flat, but the crops' padding
     flat = (images == images.amax((2, 3), True)) | (images == images.amin((2, 3), True))
     assert flat.all(), "these are not the images of --data-root"
-    offline = urllib.error.URLError("no network")
     monkeypatch.setattr(cifar, "download_and_extract_archive",
-                        lambda *a, **k: (_ for _ in ()).throw(offline))
+                        raising(urllib.error.URLError("no network")))
     err = run_bad(["--device", "cpu", "--data-root", str(tmp_path / "data")], capsys)
     assert "nor online: put cifar-10-python.tar.gz there, or use --data synthetic" in err, err
 
@@ -873,10 +875,11 @@ def edited(**fields):
     return make
 
 
-nested = edited(metrics=functools.reduce(lambda inner, _: [inner], range(3000), []))
+def nested(depth, reused=1):  # reused: [[x, x], [x, x]]: 2**depth in a few bytes
+    return functools.reduce(lambda inner, _: [inner] * reused, range(depth), [])
 
 
-def zip_bomb(path):  # 10 MB of zeros, deflated; MAX_CHECKPOINT_BYTES is 1 MB in the test
+def zip_bomb(path):  # 10 MB of zeros, deflated; the test allows 1 MB
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as f:
         f.writestr("archive/data/0", bytes(10 * 2**20))
 
@@ -888,7 +891,15 @@ class CreatesAFile:
 
 
 def weight(value, dtype=torch.float32):
-    return edited(model={"weight": torch.full((1, 10), value, dtype=dtype), "bias": torch.zeros(1)})
+    return {"model": {"weight": torch.full((1, 10), value, dtype=dtype), "bias": torch.zeros(1)}}
+
+
+DAMAGED = [  # each makes a checkpoint one this program never wrote
+    {"metrics": nested(400)}, {"metrics": [nested(60, 2)]}, {"args__lr": nested(60, 2)},
+    {"metrics": [1]}, {"model": dict.fromkeys(map(str, range(99)), torch.zeros(10**4))},
+    {"epoch": math.inf}, {"epoch": 0}, {"epoch": True}, {"loss_scale": "65536"},
+    {"loss_scale": 1e-300}, {"growth_tracker": 2**40}, weight(math.nan),
+    weight(0.0, torch.float64), weight(math.inf, torch.complex64)]
 
 
 @pytest.mark.parametrize("make,says", [
@@ -896,23 +907,16 @@ def weight(value, dtype=torch.float32):
     (lambda path: (edited()(path), path.write_bytes(path.read_bytes()[:200])), "BadZipFile"),
     (edited(save={"_use_new_zipfile_serialization": False}), "BadZipFile"),
     (zip_bomb, "unpacks to too much"), (lambda path: path.write_bytes(bytes(2**20 + 1)), "no file"),
-    (nested, "RecursionError"), (edited(epoch=math.inf), "damaged"), (edited(epoch=0), "damaged"),
-    (edited(epoch=True), "damaged"), (edited(model=None), "KeyError"),
-    (edited(args__lr=-1), "damaged"), (edited(args={"lr": 0.01}), "flags are refused"),
-    (edited(loss_scale="65536"), "damaged"), (edited(loss_scale=0.0), "damaged"),
-    (edited(model={"weight": torch.zeros(3)}), "not fit"), (weight(math.nan), "damaged"),
-    (weight(0.0, torch.float64), "damaged"), (weight(math.inf, torch.complex64), "damaged"),
+    *((edited(**fields), "damaged") for fields in DAMAGED), (edited(model=None), "KeyError"),
+    (edited(args__lr=-1), "refused"), (edited(args={"lr": 0.01}), "flags are refused"),
+    (edited(model={"weight": torch.zeros(3)}), "not fit"),
     # Momentum of 3 for a weight of 10: loading it once corrupted memory (SIGABRT).
     (edited(optimizer={0: {"momentum_buffer": torch.zeros(3)}}), "not fit"),
-    (edited(optimizer={0: "x"}), "not fit")])
+    (edited(optimizer={0: "x"}), "TypeError"),
+    (edited(optimizer={"a": {"momentum_buffer": torch.zeros(1)}}), "not fit")])
 def test_a_bad_checkpoint(make, says, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(20_000)  # for torch.save's pickler
-    try:
-        make(tmp_path / "checkpoint.pt")
-    finally:
-        sys.setrecursionlimit(limit)
+    make(tmp_path / "checkpoint.pt")
     monkeypatch.setattr(amp_train, "MAX_CHECKPOINT_BYTES", 2**20)
     capsys.readouterr()
     before = files_of(tmp_path)
@@ -986,9 +990,10 @@ def test_flags_on_resume(tmp_path, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
     ok(run + ["--epochs", "3", "--lr", "5e-324", "--batch-size", "16", "--precision", "fp32",
               "--clip-grad-norm", "1", "--max-steps", "5"])
-    ok(run + ["--epochs", "4", "--resume"])
+    ok(run[:2] + run[4:] + ["--epochs", "4", "--resume"])  # and the example
     out = capsys.readouterr().out
-    assert "note:" not in out and "precision fp32" in out and "| lr 4.941e-324 |" in out, out
+    assert "note:" not in out and "| lr 4.941e-324 |" in out, out
+    assert "example linear" in out and "precision fp32" in out, out
     saved = load(tmp_path / "checkpoint.pt")["args"]
     assert (saved["batch_size"], saved["clip_grad_norm"], saved["max_steps"]) == (16, 1.0, 5)
     ok(run + ["--epochs", "5", "--resume", "--clip-grad-norm", "0", "--max-steps", "0",
@@ -1094,7 +1099,7 @@ def test_seed_flag_and_reshuffles(spy, capsys):
     assert not torch.equal(spy[0]["batches"][0][1], spy[1]["batches"][0][1]), "epochs alike"
     plain = amp_train.DeviceLoader(*amp_train.synthetic_cifar10(10_000), 4, CPU,
                                    amp_train.cifar10_transform(CPU, False), shuffle=True)
-    assert not torch.equal(first[0], next(iter(plain))[0]), "the training batches are not cropped"
+    assert not torch.equal(first[0], next(iter(plain))[0]), "not cropped"
 
 
 def test_lr_schedule(monkeypatch, tmp_path, capsys):
@@ -1239,8 +1244,6 @@ def test_bad_flags(argv, capsys):
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
     RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4e10 bytes")])
 def test_out_of_memory(error, monkeypatch, capsys):
-    def raising(error):
-        return lambda *a: (_ for _ in ()).throw(error)
     monkeypatch.setattr(amp_train, "build_example", raising(error))
     assert "lower --batch-size" in run_bad(LINEAR, capsys)
     for other in (ZeroDivisionError, KeyboardInterrupt):  # a plain KeyboardInterrupt passes
