@@ -42,7 +42,7 @@ PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 # The flags of a run: a resumed one keeps the checkpoint's unless given again.
 RUN_FLAGS = ("epochs", "example", "precision", "batch_size", "lr", "data", "max_steps",
              "clip_grad_norm", "accum_steps", "seed")
-CHECKPOINT_FORMAT = "amp_train checkpoint 4"
+CHECKPOINT_FORMAT = "amp_train checkpoint 5"
 CHECKPOINT_FIELDS = {"format": (str,), "job": (str,),
                      "epoch": (int,), "args": (dict,), "metrics": (list,),
                      "model": (dict,), "optimizer": (dict,), "loss_scale": (float,),
@@ -194,8 +194,7 @@ def device_label(device):
 
 
 def resolve_precision(name, device, example):
-    """auto: fp16 on CUDA; on a CPU bf16 if it has bf16 instructions, else fp32 (but
-    bf16 for the memory example, which compares)."""
+    """--precision, auto as --help says (but bf16 for memory, which compares)."""
     cuda = device.type == "cuda"
     if name == "auto":
         on_cpu = "bf16" if cpu_bf16() != "none" or example == "memory" else "fp32"
@@ -259,8 +258,7 @@ def wait_for_peers():
             met.append(e)
     thread = threading.Thread(target=meet, daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(0.1)
+    thread.join()  # a signal's handler raises here
     if isinstance(met[0], ValueError):  # MASTER_ADDR, MASTER_PORT or RANK is missing
         raise UsageError(f"{met[0]}: use torchrun, or unset WORLD_SIZE")
     if isinstance(met[0], Exception):  # a port in use, a timeout: torch names it
@@ -407,8 +405,8 @@ def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
 # ---------- the run folder
 
 def open_run_dir(folder, resume, job, run):
-    """Locks the folder into run["lock"] (the kernel lets go when the process dies);
-    returns the checkpoint to go on from, or None."""
+    """Locks the folder into run["lock"] (freed when the process dies); returns the
+    checkpoint to go on from, or None."""
     try:
         if not resume:
             os.makedirs(folder, exist_ok=True)
@@ -502,18 +500,19 @@ def load_checkpoint(folder):
 
 
 def check_checkpoint(state):
-    """Raises unless `state` has save_run's layout, known good. Only that layout is
-    walked: a crafted file can nest or reuse a list to make a walk endless."""
+    """Raises unless `state` has save_run's layout, known good. A crafted file can
+    nest or reuse an object, so only that layout is walked, and what it adds up to."""
     typed = all(type(state[key]) in kinds for key, kinds in CHECKPOINT_FIELDS.items())
     buffers = itertools.chain(*map(dict.values, state["optimizer"].values()))
     tensors = [*state["model"].values(), *buffers]
     if not (typed and state["format"] == CHECKPOINT_FORMAT
             and len(state["metrics"]) == state["epoch"]  # one line an epoch
-            and {*map(type, state["metrics"])} <= {str}
+            and all(map(str.isascii, state["metrics"]))  # as json.dumps writes
+            and sum(map(len, state["metrics"])) <= MAX_CHECKPOINT_BYTES
             and {*map(type, state["args"].values())} <= {int, float, str}  # for parse_args
             and MIN_LOSS_SCALE <= state["loss_scale"] <= 2.0**127  # finite in float32
-            and 0 <= state["growth_tracker"] < 2**31  # the scaler's is an int32
-            and sum(t.numel() for t in tensors) <= MAX_CHECKPOINT_BYTES // 4  # bounded time
+            and 0 <= state["growth_tracker"] < 2000  # else it never grows the scale
+            and sum(t.numel() for t in tensors) <= MAX_CHECKPOINT_BYTES // 4
             and all(map(known_good, tensors))):
         raise ValueError("it is damaged, or of another version")
 
@@ -562,7 +561,7 @@ def restore(state, model, optimizer, scaler):
 
 def save_run(args, job, metrics, model, optimizer, scaler, checkpoint=True):
     """With --run-dir, on rank 0: the metrics file, whole (never read back), and the
-    checkpoint of epoch len(metrics): all a resume needs."""
+    checkpoint of epoch len(metrics)."""
     if args.run_dir is None or rank_and_world()[0] != 0:
         return
     state = {"format": CHECKPOINT_FORMAT, "job": job,

@@ -165,7 +165,7 @@ def test_readme_block_is_train_epoch_pastes_alone_and_is_the_docs_loop():
     assert torch.equal(model.weight, reference.weight), (model.weight, reference.weight)
     stats = user["stats"]
     assert (stats["steps"], stats["skipped_steps"], stats["loss_scale"]) == (3, 0, 1.0), stats
-    doc = amp_train.train_epoch.__doc__  # the keys, and the scheduler: this function's choice
+    doc = amp_train.train_epoch.__doc__  # the keys; the scheduler is our choice
     assert all(f'"{key}"' in doc for key in stats) and "(our choice: no sync)" in doc, doc
 
 
@@ -435,7 +435,7 @@ def fake_cpu(monkeypatch, amx, avx512_bf16):
     (0, 1, "resnet", "bf16"), (1, 1, "linear", "bf16")])
 def test_auto_uses_amp_where_it_gains(amx, avx512, example, precision, monkeypatch):
     flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
-    expected = "AVX512-BF16" if "avx512_bf16" in flags else "none"  # torch's private names
+    expected = "AVX512-BF16" if "avx512_bf16" in flags else "none"
     assert amp_train.cpu_bf16() == ("AMX" if "amx_tile" in flags else expected), flags
     fake_cpu(monkeypatch, amx, avx512)
     assert amp_train.resolve_precision("auto", CPU, example) == precision
@@ -549,7 +549,7 @@ def test_job_name_and_round_keys(monkeypatch):
 
 
 def ddp_worker(rank, argv, out_dir, port):
-    """One process of two, as torchrun sets it up; saves its exit code, output, model state."""
+    """One of two processes, as torchrun starts them: saves what main() did."""
     os.environ.update(torchrun_env(port, rank))
     torch.set_num_threads(1)
     amp_train.resnet18 = small_model  # DDP works alike on 256 images: 10,000 take seconds
@@ -858,7 +858,7 @@ def test_a_failed_save(error, status, says, tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt) if status == 0 else contextlib.nullcontext():
         err = run_bad(argv, capsys, status)  # a plain KeyboardInterrupt (pytest's) passes
         assert says in err and err.endswith(f"{tmp_path} holds epoch 1\n"), err
-        assert "epoch 2/3" not in capsys.readouterr().out, "the failure comes before training"
+        assert "epoch 2/3" not in capsys.readouterr().out, "it failed before training"
     assert files_of(tmp_path) == before and not list(tmp_path.glob("*.tmp")), "a file changed"
 
 
@@ -885,7 +885,7 @@ def zip_bomb(path):  # 10 MB of zeros, deflated; the test allows 1 MB
 
 
 class CreatesAFile:
-    """Unpickling this creates the file: what a malicious checkpoint could do."""
+    """Unpickled, this creates a file, as a malicious checkpoint could."""
     def __reduce__(self):
         return pathlib.Path.touch, (pathlib.Path("pwned"),)
 
@@ -896,9 +896,10 @@ def weight(value, dtype=torch.float32):
 
 DAMAGED = [  # each makes a checkpoint one this program never wrote
     {"metrics": nested(400)}, {"metrics": [nested(60, 2)]}, {"args__lr": nested(60, 2)},
-    {"metrics": [1]}, {"model": dict.fromkeys(map(str, range(99)), torch.zeros(10**4))},
+    {"metrics": ["\ud800\n"]}, {"metrics": ["x" * 600_000] * 2, "epoch": 2},
+    {"model": dict.fromkeys(map(str, range(99)), torch.zeros(10**4))},
     {"epoch": math.inf}, {"epoch": 0}, {"epoch": True}, {"loss_scale": "65536"},
-    {"loss_scale": 1e-300}, {"growth_tracker": 2**40}, weight(math.nan),
+    {"loss_scale": 1e-300}, {"growth_tracker": 2000}, weight(math.nan),
     weight(0.0, torch.float64), weight(math.inf, torch.complex64)]
 
 
@@ -907,7 +908,8 @@ DAMAGED = [  # each makes a checkpoint one this program never wrote
     (lambda path: (edited()(path), path.write_bytes(path.read_bytes()[:200])), "BadZipFile"),
     (edited(save={"_use_new_zipfile_serialization": False}), "BadZipFile"),
     (zip_bomb, "unpacks to too much"), (lambda path: path.write_bytes(bytes(2**20 + 1)), "no file"),
-    *((edited(**fields), "damaged") for fields in DAMAGED), (edited(model=None), "KeyError"),
+    *((edited(**fields), "not a checkpoint") for fields in DAMAGED),
+    (edited(model=None), "KeyError"),
     (edited(args__lr=-1), "refused"), (edited(args={"lr": 0.01}), "flags are refused"),
     (edited(model={"weight": torch.zeros(3)}), "not fit"),
     # Momentum of 3 for a weight of 10: loading it once corrupted memory (SIGABRT).
@@ -1066,7 +1068,7 @@ def test_example_resnet(spy, capsys):
             r"lr 0\.05 \| scale 1 \| skipped 0 \| \d+ samples/s \| [\d.]+ s$")
     assert re.search(line, out, re.M) and "| data synthetic | batch 4 |" in out, out
     assert [c["kwargs"]["log_seconds"] for c in spy] == [amp_train.PROGRESS_SECONDS] * 2
-    assert 0 < amp_train.PROGRESS_SECONDS <= 25, "a progress line within 30 s on a slow CPU"
+    assert 0 < amp_train.PROGRESS_SECONDS <= 25, "a line within 30 s"
 
 
 def test_training_flags(monkeypatch, spy, capsys):
