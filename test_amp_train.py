@@ -894,10 +894,10 @@ def weight(value, dtype=torch.float32):
     return {"model": {"weight": torch.full((1, 10), value, dtype=dtype), "bias": torch.zeros(1)}}
 
 
-DAMAGED = [  # each makes a checkpoint one this program never wrote
+DAMAGED = [  # each makes one this program never wrote
     {"metrics": nested(400)}, {"metrics": [nested(60, 2)]}, {"args__lr": nested(60, 2)},
     {"metrics": ["\ud800\n"]}, {"metrics": ["x" * 600_000] * 2, "epoch": 2},
-    {"model": dict.fromkeys(map(str, range(99)), torch.zeros(10**4))},
+    {"model": dict.fromkeys(map(str, range(99)), torch.zeros(10**4))}, {"format": "4"},
     {"epoch": math.inf}, {"epoch": 0}, {"epoch": True}, {"loss_scale": "65536"},
     {"loss_scale": 1e-300}, {"growth_tracker": 2000}, weight(math.nan),
     weight(0.0, torch.float64), weight(math.inf, torch.complex64)]
