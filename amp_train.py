@@ -1,12 +1,16 @@
-"""AMP training with torch.amp, as its docs describe it: the programs of the blog post
-"AMP Tensor Cores: saving memory in PyTorch models", fixed, for a CUDA GPU or the CPU.
+"""Automatic Mixed Precision (AMP) training with torch.amp, as its docs describe it: the three
+programs of the blog post "AMP Tensor Cores: saving memory in PyTorch models", fixed, for a CUDA
+GPU (fp16 with a GradScaler, or bf16) or a CPU (bf16), with fp32 as the baseline.
 
-    python amp_train.py --example linear   # the post's Linear(10, 1) on one batch
-    python amp_train.py --example resnet   # ResNet18 on CIFAR-10 (--data synthetic)
-    python amp_train.py --example memory   # fp32 and AMP side by side
-    torchrun --nproc_per_node=2 amp_train.py --example resnet   # DDP
+    python amp_train.py --example linear    # the post's Linear(10, 1) on one fixed batch
+    python amp_train.py --example resnet    # ResNet18 on CIFAR-10 (--data synthetic offline)
+    python amp_train.py --example memory    # fp32 and AMP side by side: memory, speed, verdict
+    python amp_train.py --example memory --model mobilenet_v3_small   # any torchvision model
+    torchrun --nproc_per_node=2 amp_train.py --example resnet         # several GPUs, DDP
 
-train_epoch, first below, is the part to copy.
+Part I is the AMP lesson. train_epoch, first below, is the part to copy; measure_amp measures
+what AMP buys on a model of your own. Part II keeps long runs safe: the run folder, torchrun's
+processes, errors and signals. A reader who came for AMP can stop where Part II begins.
 """
 import argparse
 import contextlib
@@ -32,290 +36,316 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs.
+# The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs. Its linear
+# program keeps its lr: the linear example's falls by a factor of 1.
 EPOCHS = 100
 BATCH_SIZE = 128
 LR = 0.01
 LR_STEP_EPOCHS = 10
-LR_GAMMA = 0.1
+LR_GAMMA = {"resnet": 0.1, "linear": 1.0}
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
-# The flags of a run: a resumed one keeps the checkpoint's unless given again.
-RUN_FLAGS = ("epochs", "example", "precision", "batch_size", "lr", "data", "max_steps",
-             "clip_grad_norm", "accum_steps", "seed")
-CHECKPOINT_FORMAT = "amp_train checkpoint 5"
-CHECKPOINT_FIELDS = {"format": (str,), "job": (str,),
-                     "epoch": (int,), "args": (dict,), "metrics": (list,),
-                     "model": (dict,), "optimizer": (dict,), "loss_scale": (float,),
-                     "growth_tracker": (int,)}
-MAX_CHECKPOINT_BYTES = 2**30  # ResNet18's takes 45 MB
-# fp16 stops when its loss scale falls 32 halvings under 2**16: the gradients overflow
-# however small the loss is made.
-MIN_LOSS_SCALE = 2.0**-16
-DIST_TIMEOUT = datetime.timedelta(minutes=10)  # NCCL's default
+# AMP's precision on each device: fp16, with a GradScaler, for CUDA's tensor cores; bf16 for
+# a CPU's AMX or AVX512-BF16 instructions. A CPU without them emulates bf16, slowly.
+AMP_PRECISION = {"cuda": "fp16", "cpu": "bf16"}
+# --precision auto for each device: a GPU, or a CPU by its bf16 instructions (cpu_bf16()).
+AUTO_PRECISION = {"cuda": "fp16", "AMX": "bf16", "AVX512-BF16": "bf16", "none": "fp32"}
+# What a precision costs where it gains nothing, said under the header.
+NO_BF16 = "this CPU has no bf16 instructions (AMX, AVX512-BF16)"
+SLOW_FP16 = ["warning: fp16 is very slow on CPUs: bf16 or fp32 is faster"]
+PRECISION_NOTES = {("none", "auto"): [f"note: auto trains in fp32: {NO_BF16}"],
+                   ("none", "bf16"): [f"note: bf16 is emulated here, slower than fp32: {NO_BF16}"],
+                   ("none", "fp16"): SLOW_FP16, ("AVX512-BF16", "fp16"): SLOW_FP16,
+                   ("AMX", "fp16"): SLOW_FP16}
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-MEMORY_STEPS = 20
+# The memory example's untimed warm-up steps (the first ones allocate memory and pick
+# kernels), then its timed ones. A median step over 1.3 times the fastest means that
+# something else used the device meanwhile.
 MEMORY_WARMUP_STEPS = 3
-NOISY_SPREAD = 1.3  # the median timed step over the fastest, at most
-PROGRESS_SECONDS = 15  # longer epochs print a progress line this often
+MEMORY_STEPS = 20
+NOISY_SPREAD = 1.3
+# torchvision's googlenet and inception_v3 also return auxiliary logits in training, which a
+# plain loss cannot take, and warn that their default initialization will change.
+TORCHVISION_OPTIONS = {name: {"aux_logits": False, "init_weights": True}
+                       for name in ("googlenet", "inception_v3")}
+# A long epoch or measurement says how far it got this often, in seconds.
+PROGRESS_SECONDS = 15
+
+# Part II's: the flags a run keeps (a resumed run goes on with them unless given again), the
+# checkpoint's layout, and the bounds that a checkpoint, which is untrusted input, must keep.
+RUN_FLAGS = ("epochs", "example", "precision", "batch_size", "lr", "data", "max_steps",
+             "clip_grad_norm", "accum_steps", "seed")
+CHECKPOINT_FORMAT = "amp_train checkpoint 6"
+CHECKPOINT_FIELDS = {"format": str, "job": str, "epoch": int, "args": dict, "metrics": list,
+                     "model": dict, "optimizer": dict, "loss_scale": float,
+                     "growth_tracker": int}
+# ResNet18's checkpoint takes 45 MB.
+MAX_CHECKPOINT_BYTES = 2**30
+# fp16 cannot go on once its loss scale falls 32 halvings under 2**16: the gradients
+# overflow however small the loss is made.
+MIN_LOSS_SCALE = 2.0**-16
+# How long a process waits for the others: NCCL's default.
+DIST_TIMEOUT = datetime.timedelta(minutes=10)
+# Characters that would break a line in two or drive a terminal, printed as escapes.
+CONTROL_CHARACTERS = {code: f"\\x{code:02x}" for code in [*range(32), 127]}
 
 
-# ---------- the part to copy
+# ====================================================================================
+# Part I: the AMP lesson
+# ====================================================================================
+
+# ---------- the part to copy: train_epoch, its companion to_device, and evaluate
+
+def to_device(batch, device):
+    """A batch's (inputs, targets) tensors, moved to `device`. Any other batch (a dict, or
+    inputs that are a tuple) is refused with a pointer to README's adapters."""
+    try:
+        inputs, targets = batch
+        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    except (TypeError, ValueError, AttributeError):
+        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not this "
+                        f"{type(batch).__name__}: see README, 'Other batches'")
+
 
 def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, *,
-                scheduler=None, clip_grad_norm=None, accum_steps=1, max_steps=None,
-                log_seconds=float("inf")):
-    """One pass over `loader`'s (inputs, targets) with AMP, as the torch.amp docs, plus
-    accumulation and a skipped-step count; amp_dtype: bfloat16, float16 (with a GradScaler)
-    or None. scheduler: stepped after every step, skipped or not (our choice: no sync).
-    Returns {"loss", "steps", "skipped_steps", "samples", "seconds", "loss_scale"}."""
+                scheduler=None, clip_grad_norm=None, accum_steps=1):
+    """One epoch of AMP training: the torch.amp docs' loop, with gradient accumulation.
+
+    loader yields (inputs, targets) pairs of tensors (see to_device), and
+    criterion(model(inputs), targets) is the batch's mean loss. amp_dtype is torch.bfloat16,
+    torch.float16 or None (fp32). scaler is a torch.amp.GradScaler, enabled for float16
+    alone: a disabled one passes everything through, all that bf16 and fp32 need.
+    With accum_steps=K, a step takes the mean gradient of K micro-batches; a shorter group at
+    the end of the loader takes a step of its own, on its own mean. scheduler, if given,
+    steps after every step, also one that the scaler skipped (our choice: knowing that
+    would cost a host sync a step).
+
+    Returns {"loss": the mean loss per sample, "samples": how many it trained on}.
+    """
     device = torch.device(device)
-    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)  # a no-op
+    # fp16 has 5 exponent bits: without loss scaling, small gradients flush to zero.
     if amp_dtype == torch.float16 and not scaler.is_enabled():
-        raise ValueError("float16 needs a torch.amp.GradScaler(device.type)")
+        raise ValueError("float16 needs an enabled torch.amp.GradScaler(device.type)")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be 1 or more, not {accum_steps}")
+    # DDP all-reduces the gradients in every backward pass; its no_sync() holds that back on
+    # the micro-batches before a step's last. A model without DDP has nothing to hold back.
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     model.train()
-    loss_sum, skipped = torch.zeros(2, device=device)  # no .item() per step
-    steps = samples = 0
-    start = last_log = time.perf_counter()
+    # The loss is summed on the device: loss.item() would make the CPU wait for the GPU.
+    loss_sum = torch.zeros((), device=device)
+    samples = 0
     batches = iter(loader)
-    while steps != max_steps and (group := list(itertools.islice(batches, accum_steps))):
-        optimizer.zero_grad(set_to_none=True)  # no gradient from before this step
-        for i, batch in enumerate(group):
-            if not isinstance(batch, (tuple, list)):
-                raise TypeError(f"{type(batch)} is no (inputs, targets) pair: see README")
-            inputs, targets = (tensor.to(device, non_blocking=True) for tensor in batch)
-            no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # DDP's: all-reduce
-            with no_sync() if i < len(group) - 1 else contextlib.nullcontext():  # at the last
+    group = list(itertools.islice(batches, accum_steps))
+    while group:
+        # A gradient left from before (another step, a micro-batch that raised) never counts.
+        optimizer.zero_grad(set_to_none=True)
+        for micro_step, batch in enumerate(group):
+            inputs, targets = to_device(batch, device)
+            ends_step = micro_step == len(group) - 1
+            with contextlib.ExitStack() as stack:
+                if not ends_step:
+                    stack.enter_context(no_sync())
+                # Autocast covers the forward pass and the loss, and no more: backward runs
+                # each op in the dtype that autocast chose for it in the forward pass.
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
-                    loss = criterion(model(inputs), targets)  # forward and loss only
-                scaler.scale(loss / len(group)).backward()  # small fp16 grads live
-            loss_sum += loss.detach().float() * len(targets) if len(targets) else 0.0
+                    loss = criterion(model(inputs), targets)
+                # Scaling the loss (fp16) scales every gradient with it, lifting small ones
+                # above fp16's smallest number; dividing by the group gives its mean.
+                scaler.scale(loss / len(group)).backward()
+            loss_sum += loss.detach().float() * len(targets)
             samples += len(targets)
+        # Clipping must see the true gradients: unscale_ divides them by the scale first,
+        # and step() then knows not to do it again.
         if clip_grad_norm is not None:
-            scaler.unscale_(optimizer)  # clip the true gradients
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        scaler.step(optimizer)  # skips the step if a gradient is inf/NaN
-        if scaler.is_enabled():  # found_inf, read on the device: no sync
-            found = scaler._found_inf_per_device(optimizer).values()
-            skipped += sum(found_inf.to(device) for found_inf in found) > 0
-        scaler.update()  # halves the scale after a skip, doubles it after 2000 steps
+        # step() skips the update when a gradient is inf or NaN (the scale was too large):
+        # the weights stay as they were, and nothing is lost but the step.
+        scaler.step(optimizer)
+        # update() halves the scale after a skipped step and doubles it after 2000 good
+        # ones, so that it stays near the largest that does not overflow.
+        scaler.update()
         if scheduler is not None:
             scheduler.step()
-        steps += 1
-        if time.perf_counter() - last_log >= log_seconds:
-            last_log = time.perf_counter()  # .item() is a host sync: once a line
-            print(f"  step {steps} | loss {loss_sum.item() / samples:.4f} | "
-                  f"{samples / (last_log - start):.0f} samples/s", flush=True)
-    loss_sum, skipped = torch.stack([loss_sum, skipped]).tolist()  # one sync
-    return {"loss": loss_sum / (samples or float("nan")), "steps": steps, "samples": samples,
-            "skipped_steps": int(skipped), "seconds": time.perf_counter() - start,
-            "loss_scale": scaler.get_scale()}  # 1.0 when disabled
+        group = list(itertools.islice(batches, accum_steps))
+    # The epoch's one host sync. An empty loader gives a mean of NaN.
+    return {"loss": (loss_sum / samples).item(), "samples": samples}
 
 
 @torch.inference_mode()
-def evaluate(model, loader, criterion, device, amp_dtype, max_steps=None):
-    """Mean loss, accuracy and samples of `loader`'s first max_steps batches, under
-    autocast; NaN if no sample. Needs `import itertools, torch`."""
+def evaluate(model, loader, criterion, device, amp_dtype):
+    """Mean loss and accuracy of a classifier over `loader`, under autocast as in training.
+
+    Batches are as train_epoch's. model(inputs) must return class logits, shaped (batch,
+    classes), and targets hold class indices, as nn.CrossEntropyLoss takes them. Returns
+    {"loss", "accuracy", "samples"}; loss and accuracy are NaN for an empty loader.
+    """
     device = torch.device(device)
     model.eval()
-    loss_sum, correct = torch.zeros(2, device=device)
+    # Summed on the device and read once, at the end, as in train_epoch.
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device)
     samples = 0
-    for inputs, targets in itertools.islice(loader, max_steps):
-        inputs, targets = inputs.to(device), targets.to(device)
+    for batch in loader:
+        inputs, targets = to_device(batch, device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
             outputs = model(inputs)
             loss_sum += criterion(outputs, targets).float() * len(targets)
         correct += (outputs.argmax(dim=1) == targets).sum()
         samples += len(targets)
-    loss_sum, correct = torch.stack([loss_sum, correct]).tolist()
-    measured = samples or float("nan")
-    return {"loss": loss_sum / measured, "accuracy": correct / measured, "samples": samples}
+    loss, accuracy = (torch.stack([loss_sum, correct]) / samples).tolist()
+    return {"loss": loss, "accuracy": accuracy, "samples": samples}
 
 
-# ---------- errors and signals
-
-class UsageError(Exception):
-    """A mistake the user can fix: one line, exit 2."""
-    status = 2
-
-
-class GroupError(UsageError):
-    """The processes could not meet: one line, exit 3."""
-    status = 3
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM (a plain KeyboardInterrupt passes main())."""
-
-
-def stop(signum, frame):
-    """__main__'s handler: one stop; a second signal cannot break the cleanup."""
-    ignore_signals()
-    raise Stopped(signum)
-
-
-def ignore_signals():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def say(line, file=None):
-    print(line, file=file, flush=True)
-
-
-# ---------- device, precision, processes
+# ---------- precision and device
 
 def resolve_device(name):
-    """cuda for 'auto' if a GPU is seen; GPU LOCAL_RANK under torchrun, made current."""
+    """--device: "auto" is a CUDA GPU where one is visible, else the CPU. Under torchrun,
+    process k takes GPU k (LOCAL_RANK) and makes it the current one, which is what NCCL and
+    torch.cuda.is_bf16_supported() ask. cudnn.benchmark goes on: cuDNN then times its
+    convolution algorithms once, for shapes that never change here."""
     if name == "cpu" or name == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UsageError("no CUDA GPU is visible: use --device cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if local_rank >= torch.cuda.device_count():  # two processes on one GPU: OOM
-        raise UsageError(f"process {local_rank} has no GPU: start fewer")
-    torch.cuda.set_device(local_rank)  # for what asks the current GPU
-    torch.backends.cudnn.benchmark = True  # fixed shapes: time once
-    return torch.device("cuda", local_rank)
+    # torchrun shows every process every GPU: two processes on one would run out of memory.
+    processes, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if processes > gpus:
+        raise UsageError(f"{processes} processes for {gpus} GPUs: start at most {gpus}")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.backends.cudnn.benchmark = True
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def cpu_bf16():
-    """The CPU's bf16 instructions: AMX, AVX512-BF16 or none (bf16 is emulated)."""
-    # Private, the only names: a test checks them against /proc/cpuinfo.
+    """The CPU's bf16 instructions: "AMX", "AVX512-BF16", or "none" (bf16 is emulated)."""
+    # torch names these privately only: a test checks them against /proc/cpuinfo.
     if torch.cpu._is_amx_tile_supported():
         return "AMX"
-    return "AVX512-BF16" if torch.cpu._is_avx512_bf16_supported() else "none"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return "none"
 
 
 def device_label(device):
-    return f"{device} (bf16: {cpu_bf16()})" if device.type == "cpu" else str(device)
+    """The device as headers and verdicts name it: a CPU, with its bf16 instructions."""
+    if device.type == "cpu":
+        return f"cpu (bf16: {cpu_bf16()})"
+    return str(device)
 
 
 def resolve_precision(name, device, example):
-    """--precision, auto as --help says (but bf16 for memory, which compares)."""
-    cuda = device.type == "cuda"
+    """--precision, and the notes that say where it costs more than it gains. "auto" is fp16
+    on CUDA; on a CPU it is bf16 where the CPU has bf16 instructions and fp32 where it has
+    none, since bf16 is emulated there, slower than fp32. The memory example's "auto" is AMP
+    on every device: whether AMP pays is what it measures."""
+    kind = "cuda"
+    if device.type == "cpu":
+        kind = cpu_bf16()
+    if name == "auto" and example == "memory":
+        name = AMP_PRECISION[device.type]
+    notes = PRECISION_NOTES.get((kind, name), [])
     if name == "auto":
-        on_cpu = "bf16" if cpu_bf16() != "none" or example == "memory" else "fp32"
-        return "fp16" if cuda else on_cpu
-    if name == "bf16" and cuda and not torch.cuda.is_bf16_supported(False):
+        name = AUTO_PRECISION[kind]
+    if name == "bf16" and kind == "cuda" and not torch.cuda.is_bf16_supported(False):
         raise UsageError("this GPU has no bfloat16: use --precision fp16")
-    return name
-
-
-def cpu_notes(args, device):
-    """What AMP costs on this CPU, for the header."""
-    notes = []
-    if device.type != "cpu":
-        return notes
-    if args.precision == "fp16":
-        notes.append("warning: fp16 is very slow on CPUs: bf16 or fp32 is faster")
-    if cpu_bf16() == "none":
-        notes.append("note: this CPU has no bf16 instructions (AMX, AVX512-BF16): bf16 "
-                     "is emulated, slower: auto trains in fp32 (--precision bf16 forces it)")
-    return notes
-
-
-def make_scaler(device, amp_dtype):
-    # Only float16 needs loss scaling: bfloat16 has fp32's range.
-    return torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
+    return name, notes
 
 
 def make_optimizer(model, lr):
-    """The post's SGD, fused: it takes the inf check into its kernel, so step() needs
-    no sync."""
+    """The post's SGD, fused: its kernel takes the GradScaler's inf check, so that step()
+    needs no host sync in fp16."""
     return torch.optim.SGD(model.parameters(), lr=lr, fused=True)
 
 
-def init_distributed(device):
-    """Under torchrun, joins the processes' group (NCCL, or gloo on CPUs); returns
-    the job's name."""
-    if "WORLD_SIZE" not in os.environ:
-        return os.urandom(16).hex()  # a job of its own
-    store, rank, world_size = wait_for_peers()
-    # torchrun's store outlives restarts: the first process names the job, restarts find
-    # the name. Each round gets keys of its own (the last one's hung gloo).
-    job = store.compare_set("amp_train_job", "", os.urandom(16).hex()).decode()
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"round{restart}", store)
-    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    # Bounded waits: a process whose peer died raises.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=DIST_TIMEOUT, device_id=device_id)
-    return job
+class SkipCountingScaler(torch.amp.GradScaler):
+    """The examples' GradScaler, which also counts the steps it skipped for inf/NaN
+    gradients. The count stays on the device: reading each step's verdict would make the CPU
+    wait for the GPU."""
+    skipped_steps = 0
 
-
-def wait_for_peers():
-    """env:// rendezvous: (store, rank, world size), in a helper thread: it waits in
-    C++, where no signal reaches Python."""
-    met = []  # what the rendezvous returned or raised
-
-    def meet():
-        try:
-            met.append(next(dist.rendezvous("env://", timeout=DIST_TIMEOUT)))
-        except Exception as e:
-            met.append(e)
-    thread = threading.Thread(target=meet, daemon=True)
-    thread.start()
-    thread.join()  # a signal's handler raises here
-    if isinstance(met[0], ValueError):  # MASTER_ADDR, MASTER_PORT or RANK is missing
-        raise UsageError(f"{met[0]}: use torchrun, or unset WORLD_SIZE")
-    if isinstance(met[0], Exception):  # a port in use, a timeout: torch names it
-        cause = str(met[0]).splitlines()[0]
-        raise GroupError(f"the processes could not meet ({cause})")
-    return met[0]
-
-
-def rank_and_world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    def step(self, optimizer, *args, **kwargs):
+        result = super().step(optimizer, *args, **kwargs)
+        if self.is_enabled():
+            # What step() found, a tensor for each device the gradients are on. torch names
+            # it privately only: a test pins it for plain, foreach and fused optimizers.
+            found = list(self._found_inf_per_device(optimizer).values())
+            self.skipped_steps += sum(f.to(found[0].device) for f in found) > 0
+        return result
 
 
 # ---------- models and data
 
 def resnet18(imagenet_stem=False):
-    """torchvision's ResNet18 for 10 classes, with the CIFAR stem (3x3 stride-1 conv,
-    no max-pool), or the post's, which makes 32x32 images 8x8."""
-    import torchvision  # here: it takes seconds; linear needs none
-    model = torchvision.models.resnet18(num_classes=10)  # the post's had 1000 classes
+    """torchvision's ResNet18 for CIFAR-10's 10 classes. Its stem is CIFAR's (a 3x3 stride-1
+    conv, no max-pool), or the post's ImageNet stem, which makes 32x32 images 8x8 maps."""
+    # Imported here: it takes seconds, and the linear example needs none of it.
+    import torchvision
+    model = torchvision.models.resnet18(num_classes=10)
     if not imagenet_stem:
         model.conv1 = nn.Conv2d(3, 64, 3, padding=1, bias=False)
         model.maxpool = nn.Identity()
     return model
 
 
-class DeviceLoader:
-    """Batches of tensors held on the device. A process's shard: with `shuffle`, whole
-    batches (BatchNorm needs 2+), as many as others'; else each sample once."""
+def torchvision_classifier(name):
+    """torchvision's classification model `name` for 10 classes, and the side of the images
+    it takes: the smallest that its weights' metadata states (224 for most, 299 for
+    inception_v3). Nothing is downloaded."""
+    import torchvision
+    if name not in torchvision.models.list_models(module=torchvision.models):
+        raise UsageError(f"--model {name} is neither linear, resnet18, resnet18-imagenet, "
+                         "nor a name of torchvision.models.list_models()")
+    weights = torchvision.models.get_model_weights(name)
+    size = min(weight.transforms.keywords["crop_size"] for weight in weights)
+    options = TORCHVISION_OPTIONS.get(name, {})
+    return torchvision.models.get_model(name, num_classes=10, **options), size
 
-    def __init__(self, inputs, targets, batch_size, device, transform=lambda x, _: x,
-                 shuffle=False, seed=0, rank=0, world_size=1):
+
+class DeviceLoader:
+    """Batches of (inputs, targets) held on the device, as in airbench: a few tensor ops a
+    batch, and no worker process. Under torchrun each process takes its own share (by RANK
+    and WORLD_SIZE). Training
+    batches (`shuffle`) come in an order drawn from (seed, epoch), as many whole ones for
+    each process (BatchNorm needs 2 samples or more); test batches hold every sample once.
+    max_batches cuts an epoch short."""
+
+    def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False,
+                 seed=0, max_batches=sys.maxsize):
         self.inputs, self.targets = inputs.to(device), targets.to(device)
         self.batch_size, self.transform, self.shuffle = batch_size, transform, shuffle
-        self.seed, self.rank, self.world_size, self.epoch = seed, rank, world_size, 0
+        self.seed, self.max_batches, self.epoch = seed, max_batches, 0
 
     def __len__(self):
+        # Testing: this process's share, every sample once.
+        batches = math.ceil(len(self.targets[rank()::world_size()]) / self.batch_size)
+        # Training: as many whole batches for every process.
         if self.shuffle:
-            return len(self.targets) // self.world_size // self.batch_size
-        return math.ceil(len(self.targets[self.rank::self.world_size]) / self.batch_size)
+            batches = len(self.targets) // world_size() // self.batch_size
+        return min(batches, self.max_batches)
 
     def __iter__(self):
-        n, device = len(self.targets), self.targets.device
-        seed = (self.seed * 1_000_003 + self.epoch) % 2**32  # a generator keeps 32 bits
-        augment = torch.Generator(device)
-        augment.manual_seed((seed + 7919 * (self.rank + 1)) % 2**32)
-        order = torch.arange(n)
-        if self.shuffle:  # one order for all, drawn on the CPU: GPUs agree
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-            order = order[:len(self) * self.batch_size * self.world_size]
-        order = order[self.rank::self.world_size].to(device)
-        for start in range(0, len(order), self.batch_size):
-            index = order[start:start + self.batch_size]
-            yield self.transform(self.inputs[index], augment), self.targets[index]
+        # One seed for (seed, epoch): a CPU generator keeps 32 bits of it, and the prime
+        # stride keeps the pairs apart for epochs under a million.
+        seed = (self.seed * 1_000_003 + self.epoch) % 2**32
+        order = torch.arange(len(self.targets))
+        if self.shuffle:
+            # Drawn on the CPU, where every process draws the same order.
+            order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed))
+        order = order[rank()::world_size()][:len(self) * self.batch_size]
+        # Each process crops and flips its own way: its rank shifts the seed by a prime.
+        augment = torch.Generator(self.targets.device)
+        augment.manual_seed((seed + 7919 * (rank() + 1)) % 2**32)
+        for index in order.to(self.targets.device).split(self.batch_size):
+            inputs = self.inputs[index]
+            if self.transform is not None:
+                inputs = self.transform(inputs, augment)
+            yield inputs, self.targets[index]
 
 
 def random_crop_flip(images, generator):
-    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, batched."""
+    """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, on a whole batch."""
     n, device = len(images), images.device
     padded = F.pad(images, (4, 4, 4, 4))
     dy, dx = torch.randint(0, 9, (2, n, 1), generator=generator, device=device)
@@ -327,8 +357,8 @@ def random_crop_flip(images, generator):
 
 
 def cifar10_transform(device, augment):
-    """uint8 -> normalized float images, cropped and flipped if `augment`, channels_last
-    (tensor cores' and oneDNN's layout)."""
+    """uint8 images to normalized float ones, cropped and flipped if `augment`, in
+    channels_last: the layout that tensor cores and oneDNN's convolutions work in."""
     mean = torch.tensor(CIFAR10_MEAN, device=device).view(3, 1, 1) * 255
     std = torch.tensor(CIFAR10_STD, device=device).view(3, 1, 1) * 255
 
@@ -341,321 +371,137 @@ def cifar10_transform(device, augment):
 
 
 def synthetic_cifar10(size, seed=0, train=True):
-    """CIFAR-10-shaped uint8 images and labels: a smooth pattern a class, and noise."""
-    g = torch.Generator().manual_seed(seed)
-    patterns = torch.randn(10, 3, 4, 4, generator=g)
+    """CIFAR-10-shaped uint8 images and labels: a smooth pattern for each class, and noise."""
+    generator = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(10, 3, 4, 4, generator=generator)
     patterns = F.interpolate(patterns, size=(32, 32), mode="bilinear")
-    g.manual_seed(seed * 2 + (1 if train else 2))
-    labels = torch.randint(0, 10, (size,), generator=g)
-    images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=g)
+    # The test set draws other images than the training set: seed * 2 + 2, against + 1.
+    generator.manual_seed(seed * 2 + 2 - train)
+    labels = torch.randint(0, 10, (size,), generator=generator)
+    images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=generator)
     return (images * 48 + 128).clamp(0, 255).to(torch.uint8), labels
 
 
 def cifar10(root):
-    """CIFAR-10's (train, test) images and labels, downloaded if missing by rank 0
-    alone (two downloads corrupt it)."""
+    """CIFAR-10's training and test images and labels, downloaded into `root` if missing.
+    Under torchrun rank 0 alone downloads: two downloads into one folder corrupt it."""
     import torchvision
-    if rank_and_world()[0] == 0:
-        with contextlib.suppress(OSError, RuntimeError):  # offline: see below
+    if rank() == 0:
+        # Offline the download fails, and the error below says what to do.
+        with contextlib.suppress(OSError, RuntimeError):
             torchvision.datasets.CIFAR10(root, download=True)
     if dist.is_initialized():
         dist.barrier()
     try:
-        train = torchvision.datasets.CIFAR10(root, train=True)
-        test = torchvision.datasets.CIFAR10(root, train=False)
+        sets = [torchvision.datasets.CIFAR10(root, train=train) for train in (True, False)]
     except (OSError, RuntimeError):
         raise UsageError(f"no CIFAR-10 in {os.path.abspath(root)}, nor online: put "
-                         "cifar-10-python.tar.gz there, or use --data synthetic") from None
-    return images_and_labels(train), images_and_labels(test)
+                         "cifar-10-python.tar.gz there, or use --data synthetic")
+    # (N, 32, 32, 3) uint8 arrays become (N, 3, 32, 32) tensors.
+    return [(torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(s.targets))
+            for s in sets]
 
 
-def images_and_labels(dataset):
-    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
-    return images, torch.tensor(dataset.targets)
+def linear_batch(batch_size, seed):
+    """The post's Linear(10, 1) problem: one fixed batch, seeded here."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(batch_size, 10, generator=generator)
+    return inputs, torch.randn(batch_size, 1, generator=generator)
 
 
-def build_example(args, device, rank=0, world_size=1, imagenet_stem=False):
-    """Model, loss, train and test loader of args.example, for one process."""
-    if args.example == "linear":  # the post's one fixed batch, seeded, shared out
-        if args.batch_size % world_size:  # else DDP's mean of means is skewed
+def build_example(args, device):
+    """The model, loss, training and test loaders of args.example, for this process. The
+    resnet example's --batch-size is each process's; linear's one batch is shared out."""
+    if args.example == "linear":
+        # DDP averages the processes' mean losses: unequal shares would weigh samples unequally.
+        if args.batch_size % world_size():
             raise UsageError(f"--batch-size {args.batch_size} does not share out evenly "
-                             f"among {world_size} processes")
-        g = torch.Generator().manual_seed(args.seed)
-        x = torch.randn(args.batch_size, 10, generator=g)
-        y = torch.randn(args.batch_size, 1, generator=g)
-        loader = DeviceLoader(x, y, args.batch_size, device, rank=rank, world_size=world_size)
-        return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, []  # no test set
-    if args.data == "synthetic":
-        train = synthetic_cifar10(10_000, args.seed)
-        test = synthetic_cifar10(2_000, args.seed, train=False)
-    else:
+                             f"among {world_size()} processes")
+        loader = DeviceLoader(*linear_batch(args.batch_size, args.seed), args.batch_size, device)
+        return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, []
+    train, test = synthetic_cifar10(10_000, args.seed), synthetic_cifar10(2_000, args.seed, False)
+    if args.data == "cifar10":
         train, test = cifar10(args.data_root)
-    shards = {"rank": rank, "world_size": world_size}
-    augment = cifar10_transform(device, True)
-    train_loader = DeviceLoader(*train, args.batch_size, device, augment, True, args.seed, **shards)
+    # --max-steps N: N steps an epoch, and N test batches; 0 takes all.
+    steps = args.max_steps or sys.maxsize
+    train_loader = DeviceLoader(*train, args.batch_size, device, cifar10_transform(device, True),
+                                True, args.seed, steps * args.accum_steps)
     if len(train_loader) == 0:
         raise UsageError(f"--batch-size {args.batch_size} is more than each process's "
-                         f"{len(train[1]) // world_size} training images")
+                         f"{len(train[1]) // world_size()} training images")
     test_loader = DeviceLoader(*test, args.batch_size, device, cifar10_transform(device, False),
-                               **shards)
-    model = resnet18(imagenet_stem).to(device, memory_format=torch.channels_last)
+                               max_batches=steps)
+    model = resnet18().to(device, memory_format=torch.channels_last)
     return model, nn.CrossEntropyLoss(), train_loader, test_loader
 
 
-# ---------- the run folder
+# ---------- the examples' epoch loop
 
-def open_run_dir(folder, resume, job, run):
-    """Locks the folder into run["lock"] (freed when the process dies); returns the
-    checkpoint to go on from, or None."""
-    try:
-        if not resume:
-            os.makedirs(folder, exist_ok=True)
-        run["lock"] = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(run["lock"], fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UsageError(f"another run is using {folder}") from None
-    except OSError as e:
-        raise UsageError(f"cannot use --run-dir {folder} ({e})") from None
-    return checkpoint_to_resume(folder, resume, job)
-
-
-def checkpoint_to_resume(folder, resume, job):
-    """The folder's checkpoint if this run may go on from it, or None."""
-    state = load_checkpoint(folder)
-    if state is None:
-        metrics = os.path.join(folder, "metrics.jsonl")
-        if resume:
-            raise UsageError(f"no checkpoint in {folder}: run without --resume")
-        if read_file(metrics):
-            raise UsageError(f"{folder} holds metrics, no checkpoint: delete {metrics}")
-        return None
-    if not (resume or state["job"] == job):  # or torchrun restarted this job
-        raise UsageError(f"{folder} holds a checkpoint: add --resume")
-    return state
-
-
-def read_file(path):
-    """The regular file's bytes, or None. No link followed, no FIFO waited on, no
-    huge file read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as e:  # a link: ELOOP
-        raise UsageError(f"cannot read {path} ({e})") from None
-    with open(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CHECKPOINT_BYTES:
-            raise UsageError(f"{path} is no file this program wrote: remove it")
-        return f.read()
-
-
-def replace_file(path, write):
-    """Writes a file whole or not at all: write(f) into PATH.tmp, made anew (no link
-    followed), flushed to the disk, renamed over PATH."""
-    tmp = f"{path}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    try:  # a signal may come as soon as the file exists
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with open(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(fd)  # on the disk before the rename: old or new survives
-        os.replace(tmp, path)
-    except BaseException as e:  # a full disk, Ctrl-C: no half-written file stays
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, RuntimeError) and e.__context__ is not None:
-            raise e.__context__ from None  # torch.save wraps a signal
-        raise
-
-
-@contextlib.contextmanager
-def writing(folder):
-    """Turns a failed write in the run folder into one line: why, what it holds."""
-    try:
-        yield
-    except (OSError, RuntimeError) as e:  # torch.save's too
-        raise UsageError(f"could not write in {folder} ({e}); {holds(folder)}") from None
-
-
-def load_checkpoint(folder):
-    """The folder's checkpoint, or None; a damaged or foreign one is refused."""
-    path = os.path.join(folder, "checkpoint.pt")
-    data = read_file(path)
-    if data is None:
-        return None
-    try:
-        # Untrusted input: a zip states its size, and weights_only runs no code
-        records = zipfile.ZipFile(io.BytesIO(data)).infolist()
-        if sum(record.file_size for record in records) > MAX_CHECKPOINT_BYTES:
-            raise ValueError("it unpacks to too much")
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        check_checkpoint(state)
-    except Exception as e:  # not a zip, truncated, foreign types
-        raise UsageError(f"{path} is not a checkpoint of this amp_train.py "
-                         f"({type(e).__name__}: {str(e)[:80]})") from None
-    return state
-
-
-def check_checkpoint(state):
-    """Raises unless `state` has save_run's layout, known good. A crafted file can
-    nest or reuse an object, so only that layout is walked, and what it adds up to."""
-    typed = all(type(state[key]) in kinds for key, kinds in CHECKPOINT_FIELDS.items())
-    buffers = itertools.chain(*map(dict.values, state["optimizer"].values()))
-    tensors = [*state["model"].values(), *buffers]
-    if not (typed and state["format"] == CHECKPOINT_FORMAT
-            and len(state["metrics"]) == state["epoch"]  # one line an epoch
-            and all(map(str.isascii, state["metrics"]))  # as json.dumps writes
-            and sum(map(len, state["metrics"])) <= MAX_CHECKPOINT_BYTES
-            and {*map(type, state["args"].values())} <= {int, float, str}  # for parse_args
-            and MIN_LOSS_SCALE <= state["loss_scale"] <= 2.0**127  # finite in float32
-            and 0 <= state["growth_tracker"] < 2000  # else it never grows the scale
-            and sum(t.numel() for t in tensors) <= MAX_CHECKPOINT_BYTES // 4
-            and all(map(known_good, tensors))):
-        raise ValueError("it is damaged, or of another version")
-
-
-def known_good(tensor):
-    """A finite float32 tensor or an int64 one: the model's dtypes."""
-    finite = tensor.dtype == torch.float32 and bool(tensor.isfinite().all())
-    return finite or tensor.dtype == torch.int64
-
-
-def resume_args(argv, state, device):
-    """The checkpoint's flags, replaced by those given again, with a note each."""
-    saved = [f"--{key.replace('_', '-')}={state['args'].get(key)}" for key in RUN_FLAGS]
-    try:  # they pass the command line's checks
-        before = parse_args(saved)
-    except UsageError as e:
-        raise UsageError(f"the checkpoint's flags are refused ({e})") from None
-    args = parse_args(saved + argv)
-    args.precision = resolve_precision(args.precision, device, args.example)
-    # RUN_FLAGS[1:]: all but --epochs, which a resume raises
-    changed = [key for key in RUN_FLAGS[1:] if getattr(args, key) != getattr(before, key)]
-    if "data" in changed:
-        raise UsageError(f"the checkpoint was trained on --data {before.data}")
-    notes = [f"note: --{key.replace('_', '-')} {getattr(args, key)} replaces the "
-             f"checkpoint's {getattr(before, key)}" for key in changed]
-    return args, notes + [f"resumed from {args.run_dir} after epoch {state['epoch']}"]
-
-
-def restore(state, model, optimizer, scaler):
-    """Loads a checkpoint in place, checked against the model: weights, optimizer
-    state, loss scale; hyperparameters are the flags'."""
-    params = list(model.parameters())
-    try:
-        model.load_state_dict(state["model"])  # another key or shape raises
-        for index, buffers in state["optimizer"].items():  # another shape breaks memory
-            if any(t.shape != params[index].shape for t in buffers.values()):
-                raise ValueError(f"optimizer state that does not fit parameter {index}")
-        groups = optimizer.state_dict()["param_groups"]  # this run's lr, momentum
-        optimizer.load_state_dict({"state": state["optimizer"], "param_groups": groups})
-    except Exception as e:  # another key, shape or type
-        raise UsageError(f"the checkpoint does not fit ({' '.join(str(e).split())})") from None
-    if state["args"]["precision"] == "fp16":  # a disabled scaler takes nothing
-        scaler.load_state_dict({**scaler.state_dict(), "scale": state["loss_scale"],
-                                "_growth_tracker": state["growth_tracker"]})
-
-
-def save_run(args, job, metrics, model, optimizer, scaler, checkpoint=True):
-    """With --run-dir, on rank 0: the metrics file, whole (never read back), and the
-    checkpoint of epoch len(metrics)."""
-    if args.run_dir is None or rank_and_world()[0] != 0:
-        return
-    state = {"format": CHECKPOINT_FORMAT, "job": job,
-             "epoch": len(metrics),
-             "args": {key: getattr(args, key) for key in RUN_FLAGS},
-             "metrics": metrics, "model": dict(model.state_dict()),
-             "optimizer": optimizer.state_dict()["state"],
-             "loss_scale": scaler.get_scale(),  # 1.0 without fp16
-             "growth_tracker": scaler.state_dict().get("_growth_tracker", 0)}
-    text = "".join(metrics).encode()
-    with writing(args.run_dir):
-        replace_file(os.path.join(args.run_dir, "metrics.jsonl"), lambda f: f.write(text))
-        if checkpoint:
-            path = os.path.join(args.run_dir, "checkpoint.pt")
-            replace_file(path, lambda f: torch.save(state, f))
-
-
-def holds(folder):
-    """What the run folder holds, read from it: a stopped run's last words."""
-    if folder is None:
-        return "nothing is saved without --run-dir"
-    try:
-        state = load_checkpoint(folder)
-    except UsageError:
-        return f"{folder}'s checkpoint cannot be read"
-    return f"{folder} holds epoch {state['epoch']}" if state else f"{folder} holds nothing"
-
-
-# ---------- the training examples
-
-def run_training(args, device, job, state, notes):
-    """The resnet and linear examples: train, test, print, save each epoch; returns
-    0, or 1 if training diverged. Rank 0 alone prints and writes."""
-    rank, world_size = rank_and_world()
-    log = say if rank == 0 else lambda line, file=None: None
+def train_example(args, device, folder, state=None, notes=()):
+    """The resnet and linear examples, as imagenet's main_worker: build the model, then
+    train, test, print and save each epoch. folder saves the run (see RunFolder; a NoFolder
+    saves nothing), and state is the checkpoint to go on from. Returns 0, or 1 if training
+    diverged."""
     amp_dtype = PRECISIONS[args.precision]
-    max_steps = args.max_steps or None  # 0: no limit
     torch.manual_seed(args.seed)
-    model, criterion, train_loader, test_loader = build_example(args, device, rank, world_size)
-    optimizer, scaler = make_optimizer(model, args.lr), make_scaler(device, amp_dtype)
-    metrics = []  # the metrics file's lines, one an epoch
-    if state is not None:
-        restore(state, model, optimizer, scaler)
-        metrics = state["metrics"]
-    log("\n".join([header(args, device, scaler), *notes, *cpu_notes(args, device)]))
+    model, criterion, train_loader, test_loader = build_example(args, device)
+    optimizer = make_optimizer(model, args.lr)
+    scaler = SkipCountingScaler(device.type, enabled=amp_dtype is torch.float16)
+    metrics = restore(state, model, optimizer, scaler)
+    scheduler = lr_schedule(optimizer, args.example, len(metrics))
+    for line in [header(args, device), *notes]:
+        say(line)
     if len(metrics) >= args.epochs:
-        log(f"nothing to do: the checkpoint has {len(metrics)} epochs")
+        say(f"nothing to do: the checkpoint has {len(metrics)} epochs")
         return 0
-    # DDP averages the gradients in backward: every process's scaler sees the same.
-    ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
-    save_run(args, job, metrics, model, optimizer, scaler)  # each write tried first
+    # DDP averages the gradients in backward, so every process's scaler sees the same ones
+    # and skips the same steps.
+    trained = model
+    if world_size() > 1:
+        trained = nn.parallel.DistributedDataParallel(model)
+    # Saved before the first epoch: every write is tried before anything is trained.
+    folder.save(args, metrics, model, optimizer, scaler)
     for epoch in range(len(metrics), args.epochs):
-        set_lr(optimizer, args, epoch)
-        train_loader.epoch = epoch  # order and crops depend on (seed, epoch)
-        stats = train_epoch(ddp_model, train_loader, optimizer, criterion, scaler, device,
-                            amp_dtype, clip_grad_norm=args.clip_grad_norm or None,
-                            accum_steps=args.accum_steps, max_steps=max_steps,
-                            log_seconds=PROGRESS_SECONDS if rank == 0 else math.inf)
-        if world_size > 1:  # BatchNorm's statistics: all test rank 0's
-            for buffer in model.buffers():
-                dist.broadcast(buffer, src=0)
-        tested = evaluate(model, test_loader, criterion, device, amp_dtype, max_steps)
-        record = epoch_record(args, epoch, optimizer, stats, tested, device)
-        log(epoch_line(record, args.epochs))
+        record = run_epoch(args, epoch, trained, model, criterion, optimizer, scaler,
+                           train_loader, test_loader, device)
+        scheduler.step()
+        say(epoch_line(record, args.epochs))
         metrics.append(json_line(record))
         problem, stop_run = epoch_problem(record, model)
-        save_run(args, job, metrics, model, optimizer, scaler, checkpoint=not problem)
+        folder.save(args, metrics, model, optimizer, scaler, checkpoint=problem is None)
         if stop_run:
-            log(f"error: epoch {epoch + 1}: {problem}; {holds(args.run_dir)}; lower --lr",
-                sys.stderr)
+            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds()}; lower --lr", sys.stderr)
             return 1
-        if problem:
-            log(f"note: epoch {epoch + 1} is not saved, {problem}; {holds(args.run_dir)}")
+        if problem is not None:
+            say(f"note: epoch {epoch + 1} is not saved: {problem}; {folder.holds()}")
     return 0
 
 
-def header(args, device, scaler):
-    scaling = "on" if scaler.is_enabled() else "off"
-    data = "one batch" if args.example == "linear" else args.data
-    return (f"amp_train | example {args.example} | torch {torch.__version__} | device "
-            f"{device_label(device)} | precision {args.precision} | scaler {scaling} | "
-            f"data {data} | batch {args.batch_size} | accum {args.accum_steps} | processes "
-            f"{rank_and_world()[1]} | epochs {args.epochs}")
+def lr_schedule(optimizer, example, first_epoch):
+    """The post's StepLR(10, 0.1) as a torch scheduler, stepped once an epoch. LambdaLR
+    computes each epoch's lr from --lr and the epoch, where StepLR multiplies the last one:
+    so a run resumed at first_epoch gets the lr that the uninterrupted run had."""
+    def factor(epoch):
+        return LR_GAMMA[example] ** ((first_epoch + epoch) // LR_STEP_EPOCHS)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def set_lr(optimizer, args, epoch):
-    """The post's StepLR(10, 0.1) from --lr for resnet; linear's stays."""
-    decays = 0 if args.example == "linear" else epoch // LR_STEP_EPOCHS
-    for group in optimizer.param_groups:
-        group["lr"] = args.lr * LR_GAMMA ** decays
-
-
-def epoch_record(args, epoch, optimizer, stats, tested, device):
-    """An epoch's metrics, summed over all processes."""
+def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_loader,
+              test_loader, device):
+    """Trains and tests one epoch; returns its record, summed over all processes."""
+    amp_dtype = PRECISIONS[args.precision]
+    # The order, crops and flips come from (seed, epoch): a resumed run sees the same.
+    train_loader.epoch = epoch
+    batches = progress(train_loader, len(train_loader), f"epoch {epoch + 1}: batch", say)
+    start = time.perf_counter()
+    stats = train_epoch(trained, batches, optimizer, criterion, scaler, device, amp_dtype,
+                        clip_grad_norm=args.clip_grad_norm or None, accum_steps=args.accum_steps)
+    seconds = time.perf_counter() - start
+    # Each process's BatchNorm statistics are its own: all test with rank 0's.
+    if world_size() > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+    tested = evaluate(model, test_loader, criterion, device, amp_dtype)
     sums = [stats["loss"] * stats["samples"], stats["samples"], tested["samples"],
             tested["loss"] * tested["samples"], tested["accuracy"] * tested["samples"]]
     sums = torch.tensor(sums, dtype=torch.float64, device=device)
@@ -663,37 +509,67 @@ def epoch_record(args, epoch, optimizer, stats, tested, device):
         dist.all_reduce(sums)
     loss_sum, samples, test_samples, test_loss_sum, correct = sums.tolist()
     record = {"example": args.example, "precision": args.precision, "epoch": epoch + 1,
-              "train_loss": loss_sum / max(samples, 1)}
+              "train_loss": loss_sum / samples}
     if args.example == "resnet":
         record.update(test_loss=test_loss_sum / test_samples,
                       test_accuracy=correct / test_samples)
-    return {**record, "lr": optimizer.param_groups[0]["lr"],
-            "loss_scale": stats["loss_scale"], "skipped_steps": stats["skipped_steps"],
-            "seconds": stats["seconds"], "samples_per_second": samples / stats["seconds"],
-            "processes": rank_and_world()[1]}
+    # Every process skipped the same steps: rank 0's count is all's.
+    skipped, scaler.skipped_steps = int(scaler.skipped_steps), 0
+    return {**record, "lr": optimizer.param_groups[0]["lr"], "loss_scale": scaler.get_scale(),
+            "skipped_steps": skipped, "seconds": seconds,
+            "samples_per_second": samples / seconds, "processes": world_size()}
+
+
+def progress(items, total, label, log):
+    """Yields `items`. Every PROGRESS_SECONDS it logs how many of `total` are done and the
+    time each took so far: a slow run shows that it is alive, and how long it will take."""
+    start = last = time.perf_counter()
+    for done, item in enumerate(items, 1):
+        yield item
+        now = time.perf_counter()
+        if now - last >= PROGRESS_SECONDS:
+            last = now
+            log(f"  {label} {done}/{total} | {(now - start) / done:.3f} s each")
+
+
+def header(args, device):
+    """The first line a training run prints: what it trains, on what, how."""
+    data = args.data
+    if args.example == "linear":
+        data = "one batch"
+    return (f"amp_train | example {args.example} | torch {torch.__version__} | device "
+            f"{device_label(device)} | precision {args.precision} | data {data} | batch "
+            f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | "
+            f"epochs {args.epochs}")
 
 
 def json_line(record):
     """The record as a line of JSON, with null for inf and NaN, which JSON lacks."""
-    text = json.dumps(record).replace("-Infinity", "null")  # no key holds these words
-    return text.replace("Infinity", "null").replace("NaN", "null") + "\n"
+    text = json.dumps(record)
+    # No key or other value of a record holds these words.
+    for number in ("-Infinity", "Infinity", "NaN"):
+        text = text.replace(number, "null")
+    return text + "\n"
 
 
 def epoch_problem(record, model):
     """(Why this epoch is not saved, whether the run must stop), or (None, False)."""
     tensors = model.state_dict()
-    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()  # a sync
-    if not all(finite):  # NaN weights or BatchNorm statistics stay
+    # One host sync for all the model's tensors.
+    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()
+    # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
+    if not all(finite):
         return f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN", True
     if record["loss_scale"] < MIN_LOSS_SCALE:
         return f"the loss scale fell to {record['loss_scale']:g}: inf/NaN gradients", True
-    losses = record["train_loss"], record.get("test_loss", 0.0)
-    if not math.isfinite(sum(losses)):  # in fp16, the scaler skipped that step
+    # An inf loss in fp16: the scaler skipped its step, and the weights are sound.
+    if not math.isfinite(record["train_loss"] + record.get("test_loss", 0.0)):
         return "its mean train or test loss is inf/NaN", False
     return None, False
 
 
 def epoch_line(record, epochs):
+    """The epoch's log line: fixed fields with units, greppable."""
     line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}"
     line += f" | train loss {record['train_loss']:.4f}"
     if "test_loss" in record:
@@ -704,22 +580,26 @@ def epoch_line(record, epochs):
             f"{record['seconds']:.3f} s")
 
 
-# ---------- the memory example
+# ---------- the memory measurement: what AMP buys on a model
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Bytes saved for backward in the block (on exit): activations, which grow with
-    the batch, and autocast's weight copies."""
+    """Counts, on leaving the block, the bytes that autograd saved in it for backward:
+    activations, which grow with the batch, and weight copies, which autocast cast from a
+    weight to a lower precision, and which do not."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     weight_ids = set(map(id, model.parameters()))
-    saved = {}  # data_ptr -> (bytes, a copy of a weight?)
+    saved = {}
 
     def pack(tensor):
-        fn = tensor.grad_fn
-        while len(getattr(fn, "next_functions", ())) == 1:  # casts, views (weight.t())
-            fn = fn.next_functions[0][0]
-        copied = id(getattr(fn, "variable", None)) in weight_ids  # began at a weight
+        node, cast = tensor.grad_fn, False
+        # Down a chain of one-input ops (a cast, a transpose) to where the tensor began.
+        while len(getattr(node, "next_functions", ())) == 1:
+            cast |= node.name() == "ToCopyBackward0"
+            node = node.next_functions[0][0]
+        copied = cast and id(getattr(node, "variable", None)) in weight_ids
         storage = tensor.untyped_storage()
+        # A weight itself is no memory saved for backward: it is there anyway.
         if storage.data_ptr() not in weights:
             saved[storage.data_ptr()] = storage.nbytes(), copied
         return tensor
@@ -731,88 +611,557 @@ def count_saved_tensors(model):
         counts["weight_copy_bytes" if copied else "activation_bytes"] += nbytes
 
 
-def measure_training(model, batch, criterion, device, amp_dtype, steps=MEMORY_STEPS, lr=LR):
-    """Trains a copy of `model` on one batch: warm-up, a step whose saved tensors are
-    counted, `steps` timed ones (and CUDA's peak memory)."""
-    model = copy.deepcopy(model)
-    optimizer, scaler = make_optimizer(model, lr), make_scaler(device, amp_dtype)
+def measure_training(model, batch, criterion, device, amp_dtype, steps, label, log):
+    """Trains a copy of `model` on one batch: warm-up steps, the first of which counts what
+    autograd saved, then `steps` timed ones (and, on CUDA, the peak memory)."""
+    model = copy.deepcopy(model).to(device)
+    optimizer = make_optimizer(model, LR)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
+    batch = to_device(batch, device)
 
     def step():
-        return train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
-    for _ in range(MEMORY_WARMUP_STEPS):
-        step()
+        start = time.perf_counter()
+        # train_epoch ends in a host sync: the time is the device's as well.
+        train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
+        return time.perf_counter() - start
+    total = MEMORY_WARMUP_STEPS + steps
+    ticks = progress(range(total), total, f"{label}: step", log)
+    # The first steps allocate memory and choose kernels: untimed. The first one counts what
+    # autograd saves, which every step saves alike.
     with count_saved_tensors(model) as measured:
+        for _ in itertools.islice(ticks, 1):
+            step()
+    for _ in itertools.islice(ticks, MEMORY_WARMUP_STEPS - 1):
         step()
     if device.type == "cuda":
+        # The timed steps' peak alone, not what came before them.
         gc.collect()
-        torch.cuda.empty_cache()  # the reserved peak: this run's alone
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = [step()["seconds"] for _ in range(steps)]
-    if device.type == "cuda":  # reserved: what the allocator holds, and runs out of
+    seconds = [step() for _ in ticks]
+    if device.type == "cuda":
+        # Reserved is what the allocator holds, and what runs out.
         measured["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         measured["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    return {**measured, "step_seconds": statistics.median(seconds),
-            "step_seconds_min": min(seconds), "step_seconds_max": max(seconds)}
+    median = statistics.median(seconds)
+    return {**measured, "median_step_seconds": median, "fastest_step_seconds": min(seconds),
+            "slowest_step_seconds": max(seconds), "samples_per_second": len(batch[1]) / median}
 
 
-def run_memory(args, device):
-    """The post's claims measured: a model and batch in fp32 and AMP. Yields a line as
-    each starts, then the report."""
-    if args.precision == "fp32":
-        raise UsageError("--example memory compares fp32 with fp16 or bf16")
-    example = argparse.Namespace(**{**vars(args), "data": "synthetic"})
-    example.example = "linear" if args.model == "linear" else "resnet"
-    torch.manual_seed(args.seed)
-    model, criterion, loader, _ = build_example(
-        example, device, imagenet_stem=args.model == "resnet18-imagenet")
-    batch = next(iter(loader))
-    runs = {}
-    for precision in ("fp32", args.precision):
-        yield f"measuring {precision}: {MEMORY_WARMUP_STEPS} + {args.steps} steps"
-        try:
-            runs[precision] = measure_training(model, batch, criterion, device,
-                                               PRECISIONS[precision], args.steps, args.lr)
-        except ValueError as e:  # BatchNorm of 1x1 maps and a batch of one
-            raise UsageError(f"{e}: raise --batch-size") from None
-    yield from memory_report(args, device, runs["fp32"], runs[args.precision])
+def measure_amp(model, batch, criterion, device, precision="bf16", steps=MEMORY_STEPS,
+                name="model", log=print):
+    """What AMP buys on `model`: copies of it trained on one (inputs, targets) batch in fp32
+    and in `precision` ("bf16" or "fp16"), side by side. Each takes 3 warm-up steps and
+    `steps` timed ones; log() hears when each starts and, if steps are slow, how far it got.
+
+    Returns {"fp32": ..., precision: ...}, each with the bytes that autograd saved for
+    backward (activations, and autocast's weight copies), its step times and samples per
+    second (and, on CUDA, its peak memory), and the labels that amp_report prints.
+    """
+    device = torch.device(device)
+    measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
+                "precision": precision}
+    for label in ("fp32", precision):
+        log(f"measuring {label}: {MEMORY_WARMUP_STEPS} + {steps} steps")
+        measured[label] = measure_training(model, batch, criterion, device, PRECISIONS[label],
+                                           steps, label, log)
+    return measured
 
 
-def memory_report(args, device, fp32, amp):
-    """The memory example's table, verdict, and a warning if times vary."""
-    def cell(key, x):
-        if key.endswith("bytes"):
-            return f"{x / 2**20:.2f} MiB" if x >= 2**20 else f"{x / 2**10:.2f} KiB"
-        return f"{1000 * x:.2f} ms"
-    name = args.precision
-    yield f"{'':<18}{'fp32':>14}{name:>14}{name + '/fp32':>12}"
+def amp_report(measured):
+    """measure_amp's result as lines: fp32 and AMP side by side with their ratio, a verdict
+    to paste into a bug report, and a warning when the timings are noisy."""
+    name = measured["precision"]
+    fp32, amp = measured["fp32"], measured[name]
+    lines = [f"{'':<22}{'fp32':>14}{name:>14}{name + '/fp32':>12}"]
     for key in fp32:
-        ratio = f"{amp[key] / fp32[key]:.2f}" if fp32[key] else "n/a"
-        yield f"{key:<18}{cell(key, fp32[key]):>14}{cell(key, amp[key]):>14}{ratio:>12}"
-    step = amp["step_seconds"] / fp32["step_seconds"]
+        ratio = "n/a"
+        if fp32[key]:
+            ratio = f"{amp[key] / fp32[key]:.2f}"
+        lines.append(f"{key:<22}{cell(key, fp32[key]):>14}{cell(key, amp[key]):>14}{ratio:>12}")
+    step = amp["median_step_seconds"] / fp32["median_step_seconds"]
     memory = amp["activation_bytes"] / fp32["activation_bytes"]
-    faster = "faster" if step < 1 else "not faster"
-    yield (f"verdict: {args.model}, batch {args.batch_size}, {device_label(device)}, "
-           f"torch {torch.__version__}: {name} steps take {step:.2f}x fp32's time, "
-           f"{memory:.2f}x its activation memory; AMP is {faster} here")
-    # One slow step is common on a shared machine; a slow median moves the verdict
-    spread = max(run["step_seconds"] / run["step_seconds_min"] for run in (fp32, amp))
+    faster = "faster"
+    if step >= 1:
+        faster = "not faster"
+    lines.append(f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}"
+                 f", torch {torch.__version__}: {name} steps take {step:.2f}x fp32's time, "
+                 f"{memory:.2f}x its activation memory; AMP is {faster} here")
+    # One slow step is common on a shared machine; a slow median moves the verdict.
+    spread = max(run["median_step_seconds"] / run["fastest_step_seconds"] for run in (fp32, amp))
     if spread > NOISY_SPREAD:
-        yield (f"warning: noisy timings (the median step took {spread:.1f}x the "
-               "fastest): rerun when nothing else runs")
+        lines.append(f"warning: noisy timings (the median step took {spread:.1f}x the "
+                     "fastest): rerun when nothing else runs")
+    return lines
 
 
-# ---------- command line
+def cell(key, value):
+    """A value of amp_report's table, in the unit its key ends with."""
+    if key.endswith("bytes"):
+        return f"{value / 2**20:.4g} MiB"
+    if key.endswith("seconds"):
+        return f"{1000 * value:.2f} ms"
+    return f"{value:.1f}"
+
+
+def run_memory(args, device, notes):
+    """The memory example: --model and one batch, measured by measure_amp. Its linear is the
+    post's problem, resnet18 ResNet18 with the CIFAR stem (resnet18-imagenet, the post's)
+    on CIFAR-sized images, and any other name torchvision's model, on random images of the
+    size it takes. Returns 0."""
+    torch.manual_seed(args.seed)
+    if args.model == "linear":
+        model, criterion = nn.Linear(10, 1), nn.MSELoss()
+        batch = linear_batch(args.batch_size, args.seed)
+    elif args.model in ("resnet18", "resnet18-imagenet"):
+        model, criterion = resnet18(args.model == "resnet18-imagenet"), nn.CrossEntropyLoss()
+        images, labels = synthetic_cifar10(args.batch_size, args.seed)
+        batch = cifar10_transform(device, augment=False)(images, None), labels
+    else:
+        model, size = torchvision_classifier(args.model)
+        criterion = nn.CrossEntropyLoss()
+        images = torch.randn(args.batch_size, 3, size, size)
+        labels = torch.randint(0, 10, (args.batch_size,))
+        batch = images.contiguous(memory_format=torch.channels_last), labels
+    model = model.to(memory_format=torch.channels_last)
+    for line in [f"memory | torch {torch.__version__} | device {device_label(device)} | model "
+                 f"{args.model} | batch {args.batch_size}", *notes]:
+        say(line)
+    try:
+        measured = measure_amp(model, batch, criterion, device, args.precision, args.steps,
+                               args.model, say)
+    except ValueError as e:
+        # BatchNorm cannot train on one value a channel: a batch of one, and 1x1 maps.
+        raise UsageError(f"{e}: raise --batch-size")
+    for line in amp_report(measured):
+        say(line)
+    return 0
+
+
+# ====================================================================================
+# Part II: keeping long runs safe
+# ====================================================================================
+
+# ---------- the run folder
+
+class RunFolder:
+    """--run-dir DIR: one training run's DIR/checkpoint.pt and DIR/metrics.jsonl.
+
+    One run owns the folder: it holds a lock on the folder itself, which the kernel frees
+    when the process dies. Every write is whole (a fresh file, flushed to the disk, renamed
+    over the old one), so that kill -9 at any moment leaves the last checkpoint. Every read
+    is of a regular file, and the checkpoint is untrusted input: bounded in size, unpickled
+    with weights_only, checked against save()'s layout. A run without --resume never
+    overwrites a checkpoint, but for a torchrun restart of the job that wrote it.
+    """
+
+    def __init__(self, path, resume, job):
+        self.path, self.job = path, job
+        self.checkpoint = os.path.join(path, "checkpoint.pt")
+        self.metrics = os.path.join(path, "metrics.jsonl")
+        self.lock = lock_folder(path, resume)
+        # A folder that cannot be used is let go at once.
+        try:
+            self.state = self.state_to_resume(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def state_to_resume(self, resume):
+        """The checkpoint this run goes on from, or None for a new run."""
+        state = self.load()
+        if state is None:
+            if resume:
+                raise UsageError(f"no checkpoint in {self.path}: run without --resume")
+            # Metrics without a checkpoint, someone's or a lost run's, are not overwritten.
+            if read_file(self.metrics) is not None:
+                raise UsageError(f"{self.path} holds metrics, no checkpoint: delete "
+                                 f"{self.metrics}")
+        # A torchrun restart goes on from its own job's checkpoint without --resume.
+        elif not resume and state["job"] != self.job:
+            raise UsageError(f"{self.path} holds a checkpoint: add --resume")
+        return state
+
+    def load(self):
+        """The folder's checkpoint, checked, or None; a damaged or foreign one is refused."""
+        data = read_file(self.checkpoint)
+        if data is None:
+            return None
+        try:
+            # A zip states what it unpacks to; weights_only unpickles no code.
+            records = zipfile.ZipFile(io.BytesIO(data)).infolist()
+            if sum(record.file_size for record in records) > MAX_CHECKPOINT_BYTES:
+                raise ValueError("it unpacks to too much")
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            check_checkpoint(state)
+        except Exception as e:
+            raise UsageError(f"{self.checkpoint} is not a checkpoint of this amp_train.py "
+                             f"({type(e).__name__}: {str(e)[:80]})")
+        return state
+
+    def save(self, args, metrics, model, optimizer, scaler, checkpoint=True):
+        """Writes the checkpoint of epoch len(metrics), unless not `checkpoint`, then the
+        metrics file, one line an epoch: a resumed run writes it anew from the checkpoint's."""
+        state = {"format": CHECKPOINT_FORMAT, "job": self.job, "epoch": len(metrics),
+                 "args": {key: getattr(args, key) for key in RUN_FLAGS},
+                 "metrics": metrics, "model": dict(model.state_dict()),
+                 "optimizer": optimizer.state_dict()["state"],
+                 "loss_scale": scaler.get_scale(),
+                 "growth_tracker": scaler.state_dict().get("_growth_tracker", 0)}
+        # Serialized in memory first: a full disk or a signal then meets a plain write.
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        try:
+            if checkpoint:
+                replace_file(self.checkpoint, buffer.getvalue())
+            replace_file(self.metrics, "".join(metrics).encode())
+        except OSError as e:
+            raise UsageError(f"could not write in {self.path} ({e}); {self.holds()}")
+
+    def holds(self):
+        """What the folder holds, read from it: a stopped run's last words."""
+        try:
+            state = self.load()
+        except UsageError:
+            return f"{self.path}'s checkpoint cannot be read"
+        if state is None:
+            return f"{self.path} holds nothing"
+        return f"{self.path} holds epoch {state['epoch']}"
+
+    def close(self):
+        os.close(self.lock)
+
+
+class NoFolder:
+    """Stands in for a RunFolder where nothing is saved: without --run-dir, and on every
+    process but rank 0, which alone writes. holds() says so, for a last line."""
+
+    def __init__(self, why="nothing is saved without --run-dir"):
+        self.why = why
+
+    def save(self, *args, **kwargs):
+        pass
+
+    def holds(self):
+        return self.why
+
+    def close(self):
+        pass
+
+
+def lock_folder(path, resume):
+    """Creates the folder (unless `resume`) and locks it; returns the lock's descriptor."""
+    try:
+        if not resume:
+            os.makedirs(path, exist_ok=True)
+        lock = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise UsageError(f"cannot use --run-dir {path} ({e})")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock)
+        raise UsageError(f"another run is using {path}")
+    return lock
+
+
+def read_file(path):
+    """The bytes of the regular file at `path`, or None if nothing is there. No link is
+    followed, no FIFO waited on, no folder or device read as a file, and nothing larger
+    than a checkpoint may be."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UsageError(f"cannot read {path} ({e}): remove it")
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CHECKPOINT_BYTES:
+        os.close(fd)
+        raise UsageError(f"{path} is no file this program wrote: remove it")
+    with open(fd, "rb") as f:
+        return f.read()
+
+
+def replace_file(path, data):
+    """Writes `data` to `path` whole or not at all: into PATH.tmp, made anew (no link
+    followed, nothing that stood there written through), flushed to the disk, renamed."""
+    tmp = f"{path}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    # From the moment the file exists, a full disk or a signal must not leave it behind.
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            # On the disk before the rename: after a crash, the old file or the new survives.
+            os.fsync(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def check_checkpoint(state):
+    """Raises unless `state` has save()'s layout, with values known to be good. A crafted
+    file can nest or reuse an object without end, so only that layout is looked at."""
+    buffers = itertools.chain(*map(dict.values, state["optimizer"].values()))
+    tensors = [*state["model"].values(), *buffers]
+    # Cheap checks first, of the layout as a whole; a field of another type raises.
+    layout = [all(type(state[key]) is kind for key, kind in CHECKPOINT_FIELDS.items()),
+              state["format"] == CHECKPOINT_FORMAT,
+              # One metrics line an epoch, in all no more than a checkpoint may hold.
+              len(state["metrics"]) == state["epoch"],
+              sum(map(len, state["metrics"])) <= MAX_CHECKPOINT_BYTES,
+              # parse_args checks the flags' values.
+              {*map(type, state["args"].values())} <= {int, float, str},
+              # A scale that is finite in float32, and a tracker that lets it grow.
+              MIN_LOSS_SCALE <= state["loss_scale"] <= 2.0**127,
+              0 <= state["growth_tracker"] < 2000,
+              sum(tensor.numel() for tensor in tensors) <= MAX_CHECKPOINT_BYTES // 4]
+    # Then each metrics line and each tensor, once their sizes are known to be bounded.
+    if not all(layout) or not all(map(is_json_line, state["metrics"])) \
+            or not all(map(known_good, tensors)):
+        raise ValueError("it is damaged, or of another version")
+
+
+def is_json_line(text):
+    """Whether `text` is one JSON object on one line, in ASCII, as json_line writes it."""
+    one_line = text.isascii() and text.endswith("\n") and text.count("\n") == 1
+    return one_line and isinstance(json.loads(text, parse_constant=refuse), dict)
+
+
+def refuse(constant):
+    """json.loads reads NaN and Infinity, which are no JSON: refused."""
+    raise ValueError(f"{constant} is no JSON")
+
+
+def known_good(tensor):
+    """Whether a loaded tensor is a finite float32 one or an int64 one: the model's kinds."""
+    finite = tensor.dtype == torch.float32 and bool(tensor.isfinite().all())
+    return finite or tensor.dtype == torch.int64
+
+
+def resume_args(argv, state, device):
+    """The flags: a resumed run's come from its checkpoint, but for those given again, each
+    with a note. Returns (args, notes), the precision resolved and its notes among them."""
+    saved = []
+    if state is not None:
+        saved = [f"--{key.replace('_', '-')}={state['args'].get(key)}" for key in RUN_FLAGS]
+    # A checkpoint's flags pass the command line's checks.
+    try:
+        before = parse_args(saved)
+    except UsageError as e:
+        raise UsageError(f"the checkpoint's flags are refused ({e})")
+    args = parse_args(saved + argv)
+    args.precision, notes = resolve_precision(args.precision, device, args.example)
+    if state is None:
+        return args, notes
+    # All but --epochs, which a resume raises.
+    changed = [key for key in RUN_FLAGS[1:] if getattr(args, key) != getattr(before, key)]
+    if "data" in changed:
+        raise UsageError(f"the checkpoint was trained on --data {before.data}")
+    notes += [f"note: --{key.replace('_', '-')} {getattr(args, key)} replaces the "
+              f"checkpoint's {getattr(before, key)}" for key in changed]
+    return args, notes + [f"resumed from {args.run_dir} after epoch {state['epoch']}"]
+
+
+def restore(state, model, optimizer, scaler):
+    """Loads a checkpoint's weights, optimizer state and loss scale in place, checked
+    against the model; returns its metrics lines ([] for a new run). The hyperparameters
+    are the flags', never the checkpoint's."""
+    if state is None:
+        return []
+    params = list(model.parameters())
+    try:
+        # Another key or shape raises here.
+        model.load_state_dict(state["model"])
+        # Optimizer state of another shape would corrupt memory in the fused step.
+        for index, buffers in state["optimizer"].items():
+            if any(t.shape != params[index].shape for t in buffers.values()):
+                raise ValueError(f"optimizer state that does not fit parameter {index}")
+        groups = optimizer.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": state["optimizer"], "param_groups": groups})
+    except Exception as e:
+        raise UsageError(f"the checkpoint does not fit ({' '.join(str(e).split())})")
+    # A disabled scaler takes no state: its scale stays 1.
+    if scaler.is_enabled() and state["args"]["precision"] == "fp16":
+        scaler.load_state_dict({**scaler.state_dict(), "scale": state["loss_scale"],
+                                "_growth_tracker": state["growth_tracker"]})
+    return list(state["metrics"])
+
+
+def open_run_folder(args, job):
+    """Rank 0 takes --run-dir; every process gets (its folder, the checkpoint to go on from,
+    or None). The other processes save nothing: theirs is a NoFolder."""
+    if args.run_dir is None:
+        return NoFolder(), None
+    folder, found = NoFolder(f"process 0 saves {args.run_dir}"), None
+    if rank() == 0:
+        try:
+            folder = RunFolder(args.run_dir, args.resume, job)
+            found = folder.state
+        except UsageError as e:
+            found = e
+    # Every process goes on from rank 0's checkpoint, or stops with its error.
+    found = share(found)
+    if isinstance(found, UsageError):
+        raise found
+    return folder, found
+
+
+# ---------- torchrun's processes
+
+def rank():
+    """This process's rank under torchrun; 0 without it."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size():
+    """How many processes torchrun started; 1 without it."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def join_processes(device):
+    """Under torchrun, joins the other processes (NCCL on GPUs, gloo on CPUs) and returns the
+    job's name; alone, a random name of its own. All rounds of one torchrun launch get the
+    same name, which a restart finds in the checkpoint; another launch gets another."""
+    if "WORLD_SIZE" not in os.environ:
+        return os.urandom(16).hex()
+    store, process_rank, processes = wait_for_peers()
+    # The rendezvous id: a uuid with --standalone, the job's --rdzv-id across machines. A
+    # static rendezvous has "none", but keeps its store for every round: the first process
+    # leaves a name there.
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if job == "none":
+        job = store.compare_set("amp_train_job", "", os.urandom(16).hex()).decode()
+    # Each round gets keys of its own: the last round's left gloo hanging.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"round{restart}", store)
+    backend, device_id = "gloo", None
+    if device.type == "cuda":
+        backend, device_id = "nccl", device
+    # A bounded wait: a process whose peer died raises instead of waiting for good.
+    dist.init_process_group(backend, store=store, rank=process_rank, world_size=processes,
+                            timeout=DIST_TIMEOUT, device_id=device_id)
+    return job
+
+
+def wait_for_peers():
+    """torchrun's env:// rendezvous: (store, rank, world size). It waits in C++, where no
+    signal reaches Python, so it waits in a helper thread while Ctrl-C can stop this one."""
+    met = []
+
+    def meet():
+        try:
+            met.append(next(dist.rendezvous("env://", timeout=DIST_TIMEOUT)))
+        except Exception as e:
+            met.append(e)
+    thread = threading.Thread(target=meet, daemon=True)
+    thread.start()
+    # A signal's handler raises here.
+    thread.join()
+    # MASTER_ADDR, MASTER_PORT or RANK is missing.
+    if isinstance(met[0], ValueError):
+        raise UsageError(f"{met[0]}: use torchrun, or unset WORLD_SIZE")
+    # A port in use, a peer that never came: torch names the cause.
+    if isinstance(met[0], Exception):
+        raise GroupError(f"the processes could not meet ({str(met[0]).splitlines()[0]})")
+    return met[0]
+
+
+def share(value):
+    """Rank 0's `value`, on every process."""
+    values = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(values, src=0)
+    return values[0]
+
+
+def leave_processes():
+    """Leaves the process group, if any, at the very end."""
+    if dist.is_initialized():
+        # DDP's reference cycles keep the group alive, and gloo aborts if they outlive it.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+# ---------- errors and signals
+
+class UsageError(Exception):
+    """A mistake the user can fix: one line that says what to do, exit status 2. Every
+    process finds it alike, so that under torchrun rank 0 alone says it."""
+    status = 2
+    every_process = False
+
+
+class GroupError(UsageError):
+    """The processes failed to meet, or to work on together: one line, exit 3, from every
+    process, since each saw its own side of it."""
+    status = 3
+    every_process = True
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM, under __main__'s handler."""
+
+
+def stop(signum, frame):
+    """__main__'s handler of SIGINT and SIGTERM: ends the run in one line. Later signals are
+    ignored, so that they cannot cut the last line or the cleanup short."""
+    ignore_signals()
+    raise Stopped(signum)
+
+
+def ignore_signals():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def say(line, file=None, every_process=False):
+    """Prints one line; under torchrun, rank 0 alone does, unless every_process. A folder's
+    name may hold a newline, or bytes that are not UTF-8: they are escaped, so that the line
+    stays one line, and one that any terminal prints."""
+    if rank() != 0 and not every_process:
+        return
+    line = line.translate(CONTROL_CHARACTERS)
+    # A byte of a file name that is not UTF-8 comes as a lone surrogate: it prints as \udcff.
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=file, flush=True)
+
+
+def as_error(error, folder):
+    """torch's RuntimeError as one of ours: out of memory (exit 2), or a failed process
+    group (exit 3; gloo's are plain RuntimeErrors). Anything else is a bug: re-raised."""
+    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
+        out_of_memory = UsageError("out of memory: lower --batch-size")
+        # One process may run out alone.
+        out_of_memory.every_process = True
+        return out_of_memory
+    if not dist.is_initialized():
+        raise error
+    cause = str(error).splitlines()[0][:200]
+    return GroupError(f"the process group failed ({cause}); {folder.holds()}")
+
+
+# ====================================================================================
+# The command line
+# ====================================================================================
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, through main()
+    def error(self, message):
+        # One line and exit 2, through main(), instead of argparse's usage and exit.
         raise UsageError(f"{message} (see --help)")
 
 
 def number(kind, low, high):
-    """An argparse type: a `kind` in [low, high]."""
+    """An argparse type: a `kind` in [low, high], whose bounds the error prints exactly."""
     def parse(text):
-        value = kind(text)  # or "invalid int value: 'x'"
-        if not low <= value <= high:  # NaN too
+        # kind("x") raises, and argparse says "invalid int value: 'x'".
+        value = kind(text)
+        # NaN is in no range.
+        if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{text} is not in [{low!r}, {high!r}]")
         return value
     parse.__name__ = kind.__name__
@@ -820,118 +1169,97 @@ def number(kind, low, high):
 
 
 def parse_args(argv):
-    largest = torch.finfo(torch.float32).max
+    """The flags, checked; the help shows each one's default."""
     count, limit = number(int, 1, 2**31 - 1), number(int, 0, 2**31 - 1)
-    p = ArgumentParser(description="The blog post's programs, fixed.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    largest = torch.finfo(torch.float32).max
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
-    add("--example", choices=["resnet", "linear", "memory"], default="resnet")
-    add("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if seen")
+    add("--example", choices=["resnet", "linear", "memory"], default="resnet",
+        help="resnet: ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); memory: fp32 "
+        "and AMP side by side (default: resnet)")
+    add("--device", choices=["auto", "cpu", "cuda"], default="auto",
+        help="auto: cuda if a GPU is visible (default: auto)")
     add("--precision", choices=["auto", *PRECISIONS], default="auto",
-        help="auto: fp16 on CUDA; on a CPU bf16 if it has bf16 instructions, else fp32")
-    add("--epochs", type=count, default=EPOCHS, help="linear: steps on its batch")
-    add("--batch-size", type=count, default=BATCH_SIZE, help="a process's")
-    add("--lr", type=number(float, math.ulp(0.0), largest), default=LR)
-    add("--data", choices=["cifar10", "synthetic"], default="cifar10")
-    add("--data-root", default="./data", help="CIFAR-10's folder")
-    add("--max-steps", type=limit, default=0, help="steps (and test batches) an epoch")
+        help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, else fp32 "
+        "(default: auto)")
+    add("--epochs", type=count, default=EPOCHS, help="linear's are steps (default: 100)")
+    add("--batch-size", type=count, default=BATCH_SIZE,
+        help="each process's; linear's is shared out (default: 128)")
+    add("--lr", type=number(float, math.ulp(0.0), largest), default=LR,
+        help="SGD's; resnet's falls tenfold every 10 epochs (default: 0.01)")
+    add("--data", choices=["cifar10", "synthetic"], default="cifar10",
+        help="synthetic: 10,000 learnable images, made offline (default: cifar10)")
+    add("--data-root", default="./data", help="CIFAR-10's folder (default: ./data)")
+    add("--max-steps", type=limit, default=0,
+        help="steps an epoch, and test batches; 0: off (default: 0)")
     add("--clip-grad-norm", type=number(float, 0.0, largest), default=0.0,
-        help="clip the gradients to this norm")
-    add("--accum-steps", type=count, default=1, help="micro-batches a step")
-    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt, DIR/metrics.jsonl")
-    add("--resume", action="store_true", help="go on with the run in --run-dir")
-    add("--model", choices=["resnet18", "resnet18-imagenet", "linear"], default="resnet18",
-        help="memory's; resnet18-imagenet has the post's stem")
-    add("--steps", type=count, default=MEMORY_STEPS, help="memory's timed steps")
-    add("--seed", type=number(int, 0, 2**32 - 1), default=0)
+        help="the gradients' largest norm; 0: off (default: 0)")
+    add("--accum-steps", type=count, default=1, help="micro-batches a step (default: 1)")
+    add("--run-dir", metavar="DIR",
+        help="save DIR/checkpoint.pt and DIR/metrics.jsonl each epoch (default: none)")
+    add("--resume", action="store_true",
+        help="go on with --run-dir's run, with its flags unless given again")
+    add("--model", default="resnet18",
+        help="memory's: resnet18 (the CIFAR stem), resnet18-imagenet (the post's), linear, "
+        "or a name of torchvision.models.list_models() (default: resnet18)")
+    add("--steps", type=count, default=MEMORY_STEPS,
+        help="memory's timed steps, after 3 warm-up steps (default: 20)")
+    add("--seed", type=number(int, 0, 2**32 - 1), default=0,
+        help="seeds the weights, the data and its order (default: 0)")
     args = p.parse_args(argv)
-    if args.run_dir is not None and args.example == "memory":
+    if args.example == "memory" and args.precision == "fp32":
+        raise UsageError("--example memory compares fp32 with --precision bf16 or fp16")
+    if args.example == "memory" and args.run_dir is not None:
         raise UsageError("--run-dir is for the resnet and linear examples")
+    if args.example == "memory" and world_size() > 1:
+        raise UsageError("--example memory measures one process: run it without torchrun")
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir DIR")
     return args
 
 
 def main(argv):
-    """The command line; returns the exit status. A signal ends in one line."""
-    run = {"dir": None, "lock": None}  # the run folder, once taken
+    """The command line: runs an example, returns its exit status. A mistake, a failed
+    process group, running out of memory, and Ctrl-C or SIGTERM each end in one line."""
+    folder, error = NoFolder(), None
     try:
-        return report_errors(argv, run)
-    except Stopped as e:  # Ctrl-C or SIGTERM, also while an error is reported
-        if rank_and_world()[0] == 0:
-            name = signal.Signals(e.args[0]).name
-            say(f"error: stopped by {name}; {holds(run['dir'])}", sys.stderr)
-        return 128 + e.args[0]
-    finally:
-        if run["lock"] is not None:
-            os.close(run["lock"])
-        if dist.is_initialized():  # DDP's cycles hold the group: gloo aborted
-            gc.collect()
-            dist.destroy_process_group()
-
-
-def report_errors(argv, run):
-    """run_example(), a user's error as one line and an exit status."""
-    try:
-        return run_example(argv, run)
-    except UsageError as e:
-        say(f"error: {e}", sys.stderr)
-        return e.status
-    except RuntimeError as e:
-        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
-            say("error: out of memory: lower --batch-size", sys.stderr)
-            return 2
-        if not dist.is_initialized():
-            raise
-        # Mostly a peer that died (gloo's are plain RuntimeErrors): torchrun restarts
-        where = f"; {holds(run['dir'])}" if rank_and_world()[0] == 0 else ""
-        say(f"error: the process group failed ({str(e).splitlines()[0][:200]}){where}",
-            sys.stderr)
-        return 3
-
-
-def run_example(argv, run):
-    """Sets up device, processes and run folder; runs the example."""
-    args = parse_args(argv)
-    device = resolve_device(args.device)
-    args.precision = resolve_precision(args.precision, device, args.example)
-    job = init_distributed(device)
-    run["dir"] = args.run_dir
-    state, notes = None, []
-    if args.run_dir is not None:
-        state = take_run_dir(args, job, run)
-    if state is not None:
+        args = parse_args(argv)
+        device = resolve_device(args.device)
+        job = join_processes(device)
+        folder, state = open_run_folder(args, job)
         args, notes = resume_args(argv, state, device)
-    if args.example != "memory":
-        status = run_training(args, device, job, state, notes)
+        if args.example == "memory":
+            folder = NoFolder("the memory example stopped before its report")
+            status = run_memory(args, device, notes)
+        else:
+            status = train_example(args, device, folder, state, notes)
+        # Every process ends its last collective before any leaves the group.
         if dist.is_initialized():
-            dist.barrier()  # all end their last collective before any leaves
-        return status
-    say(f"memory | torch {torch.__version__} | device {device_label(device)} | "
-        f"model {args.model} | batch {args.batch_size}")
-    for line in itertools.chain(cpu_notes(args, device), run_memory(args, device)):
-        say(line)
-    return 0
-
-
-def take_run_dir(args, job, run):
-    """Rank 0 takes the run folder; all get its checkpoint, or error."""
-    state = [None]
-    if rank_and_world()[0] == 0:
-        try:
-            state[0] = open_run_dir(args.run_dir, args.resume, job, run)
-        except UsageError as e:
-            state[0] = e
-    if dist.is_initialized():
-        dist.broadcast_object_list(state, src=0)
-    if isinstance(state[0], UsageError):
-        raise state[0]
-    return state[0]
+            dist.barrier()
+    except Stopped as e:
+        status = 128 + e.args[0]
+        error = UsageError(f"stopped by {signal.Signals(e.args[0]).name}; {folder.holds()}")
+    except UsageError as e:
+        status, error = e.status, e
+    except RuntimeError as e:
+        error = as_error(e, folder)
+        status = error.status
+    # The outcome is known. Under __main__'s handler a signal from here on (torchrun stops
+    # the survivors of a dead peer) changes nothing: the last line and the cleanup run whole.
+    if signal.getsignal(signal.SIGTERM) is stop:
+        ignore_signals()
+    if error is not None:
+        say(f"error: {error}", sys.stderr, error.every_process)
+    folder.close()
+    leave_processes()
+    return status
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, stop)  # a signal ends main() in one line
+    # Ctrl-C and SIGTERM end a run in one line that names what its folder holds.
+    signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     status = main(sys.argv[1:])
-    ignore_signals()  # the run is over; torch's teardown takes a while
+    # The run is over: torch's teardown takes a while, and a signal now changes nothing.
+    ignore_signals()
     sys.exit(status)
