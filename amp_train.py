@@ -44,18 +44,11 @@ LR = 0.01
 LR_STEP_EPOCHS = 10
 LR_GAMMA = {"resnet": 0.1, "linear": 1.0}
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
-# AMP's precision on each device: fp16, with a GradScaler, for CUDA's tensor cores; bf16 for
-# a CPU's AMX or AVX512-BF16 instructions. A CPU without them emulates bf16, slowly.
+# AMP gains where the device computes in 16 bits: fp16, with a GradScaler, on CUDA's tensor
+# cores; bf16 on a CPU's AMX or AVX512-BF16 instructions. A CPU without them emulates bf16,
+# slower than fp32: --precision auto trains in fp32 there, and says so.
 AMP_PRECISION = {"cuda": "fp16", "cpu": "bf16"}
-# --precision auto for each device: a GPU, or a CPU by its bf16 instructions (cpu_bf16()).
-AUTO_PRECISION = {"cuda": "fp16", "AMX": "bf16", "AVX512-BF16": "bf16", "none": "fp32"}
-# What a precision costs where it gains nothing, said under the header.
 NO_BF16 = "this CPU has no bf16 instructions (AMX, AVX512-BF16)"
-SLOW_FP16 = ["warning: fp16 is very slow on CPUs: bf16 or fp32 is faster"]
-PRECISION_NOTES = {("none", "auto"): [f"note: auto trains in fp32: {NO_BF16}"],
-                   ("none", "bf16"): [f"note: bf16 is emulated here, slower than fp32: {NO_BF16}"],
-                   ("none", "fp16"): SLOW_FP16, ("AVX512-BF16", "fp16"): SLOW_FP16,
-                   ("AMX", "fp16"): SLOW_FP16}
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 # The memory example's untimed warm-up steps (the first ones allocate memory and pick
@@ -64,6 +57,8 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 MEMORY_WARMUP_STEPS = 3
 MEMORY_STEPS = 20
 NOISY_SPREAD = 1.3
+# Its table's units, by the last word of a row's name: MiB, ms, samples/s.
+REPORT_UNITS = {"bytes": (2**20, "MiB"), "seconds": (1e-3, "ms"), "second": (1, "/s")}
 # torchvision's googlenet and inception_v3 also return auxiliary logits in training, which a
 # plain loss cannot take, and warn that their default initialization will change.
 TORCHVISION_OPTIONS = {name: {"aux_logits": False, "init_weights": True}
@@ -183,18 +178,17 @@ def evaluate(model, loader, criterion, device, amp_dtype):
     """
     device = torch.device(device)
     model.eval()
-    # Summed on the device and read once, at the end, as in train_epoch.
-    loss_sum = torch.zeros((), device=device)
-    correct = torch.zeros((), device=device)
+    # The loss and the correct answers, summed on the device and read once, at the end.
+    sums = torch.zeros(2, device=device)
     samples = 0
     for batch in loader:
         inputs, targets = to_device(batch, device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
             outputs = model(inputs)
-            loss_sum += criterion(outputs, targets).float() * len(targets)
-        correct += (outputs.argmax(dim=1) == targets).sum()
+            sums[0] += criterion(outputs, targets).float() * len(targets)
+        sums[1] += (outputs.argmax(dim=1) == targets).sum()
         samples += len(targets)
-    loss, accuracy = (torch.stack([loss_sum, correct]) / samples).tolist()
+    loss, accuracy = (sums / samples).tolist()
     return {"loss": loss, "accuracy": accuracy, "samples": samples}
 
 
@@ -240,16 +234,19 @@ def resolve_precision(name, device, example):
     on CUDA; on a CPU it is bf16 where the CPU has bf16 instructions and fp32 where it has
     none, since bf16 is emulated there, slower than fp32. The memory example's "auto" is AMP
     on every device: whether AMP pays is what it measures."""
-    kind = "cuda"
-    if device.type == "cpu":
-        kind = cpu_bf16()
-    if name == "auto" and example == "memory":
-        name = AMP_PRECISION[device.type]
-    notes = PRECISION_NOTES.get((kind, name), [])
+    cpu = device.type == "cpu"
+    emulated = cpu and cpu_bf16() == "none"
     if name == "auto":
-        name = AUTO_PRECISION[kind]
-    if name == "bf16" and kind == "cuda" and not torch.cuda.is_bf16_supported(False):
+        name = AMP_PRECISION[device.type]
+        if emulated and example != "memory":
+            return "fp32", [f"note: auto trains in fp32: {NO_BF16}"]
+    if name == "bf16" and not cpu and not torch.cuda.is_bf16_supported(False):
         raise UsageError("this GPU has no bfloat16: use --precision fp16")
+    notes = []
+    if name == "bf16" and emulated:
+        notes.append(f"note: bf16 is emulated here, slower than fp32: {NO_BF16}")
+    if name == "fp16" and cpu:
+        notes.append("warning: fp16 is very slow on CPUs: bf16 or fp32 is faster")
     return name, notes
 
 
@@ -268,10 +265,10 @@ class SkipCountingScaler(torch.amp.GradScaler):
     def step(self, optimizer, *args, **kwargs):
         result = super().step(optimizer, *args, **kwargs)
         if self.is_enabled():
-            # What step() found, a tensor for each device the gradients are on. torch names
-            # it privately only: a test pins it for plain, foreach and fused optimizers.
-            found = list(self._found_inf_per_device(optimizer).values())
-            self.skipped_steps += sum(f.to(found[0].device) for f in found) > 0
+            # What step() found, a tensor for each device the gradients are on (one here).
+            # torch names it privately only: a test pins it for plain, foreach and fused
+            # optimizers.
+            self.skipped_steps += sum(self._found_inf_per_device(optimizer).values()) > 0
         return result
 
 
@@ -289,18 +286,21 @@ def resnet18(imagenet_stem=False):
     return model
 
 
-def torchvision_classifier(name):
-    """torchvision's classification model `name` for 10 classes, and the side of the images
-    it takes: the smallest that its weights' metadata states (224 for most, 299 for
-    inception_v3). Nothing is downloaded."""
+def image_classifier(name):
+    """The memory example's image model `name`, for 10 classes, and the side of the images
+    it takes: resnet18 (the CIFAR stem) and resnet18-imagenet (the post's) take CIFAR's 32,
+    and torchvision's classification models the smallest side that their weights' metadata
+    states (224 for most, 299 for inception_v3). Nothing is downloaded."""
+    if name in ("resnet18", "resnet18-imagenet"):
+        return resnet18(imagenet_stem=name == "resnet18-imagenet"), 32
     import torchvision
     if name not in torchvision.models.list_models(module=torchvision.models):
         raise UsageError(f"--model {name} is neither linear, resnet18, resnet18-imagenet, "
                          "nor a name of torchvision.models.list_models()")
     weights = torchvision.models.get_model_weights(name)
-    size = min(weight.transforms.keywords["crop_size"] for weight in weights)
+    side = min(weight.transforms.keywords["crop_size"] for weight in weights)
     options = TORCHVISION_OPTIONS.get(name, {})
-    return torchvision.models.get_model(name, num_classes=10, **options), size
+    return torchvision.models.get_model(name, num_classes=10, **options), side
 
 
 class DeviceLoader:
@@ -448,11 +448,15 @@ def train_example(args, device, folder, state=None, notes=()):
     optimizer = make_optimizer(model, args.lr)
     scaler = SkipCountingScaler(device.type, enabled=amp_dtype is torch.float16)
     metrics = restore(state, model, optimizer, scaler)
-    scheduler = lr_schedule(optimizer, args.example, len(metrics))
-    for line in [header(args, device), *notes]:
-        say(line)
-    if len(metrics) >= args.epochs:
-        say(f"nothing to do: the checkpoint has {len(metrics)} epochs")
+    first_epoch, gamma = len(metrics), LR_GAMMA[args.example]
+    # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr
+    # from --lr and the epoch, where StepLR multiplies the last one: so a resumed run gets
+    # the lr that the uninterrupted run had.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda epoch: gamma ** ((first_epoch + epoch) // LR_STEP_EPOCHS))
+    say(header(args, device), *notes)
+    if first_epoch >= args.epochs:
+        say(f"nothing to do: the checkpoint has {first_epoch} epochs")
         return 0
     # DDP averages the gradients in backward, so every process's scaler sees the same ones
     # and skips the same steps.
@@ -461,29 +465,20 @@ def train_example(args, device, folder, state=None, notes=()):
         trained = nn.parallel.DistributedDataParallel(model)
     # Saved before the first epoch: every write is tried before anything is trained.
     folder.save(args, metrics, model, optimizer, scaler)
-    for epoch in range(len(metrics), args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         record = run_epoch(args, epoch, trained, model, criterion, optimizer, scaler,
                            train_loader, test_loader, device)
         scheduler.step()
         say(epoch_line(record, args.epochs))
         metrics.append(json_line(record))
-        problem, stop_run = epoch_problem(record, model)
+        problem = epoch_problem(record, model)
+        # The checkpoint keeps the last sound epoch; the metrics show this one too.
         folder.save(args, metrics, model, optimizer, scaler, checkpoint=problem is None)
-        if stop_run:
-            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds()}; lower --lr", sys.stderr)
-            return 1
         if problem is not None:
-            say(f"note: epoch {epoch + 1} is not saved: {problem}; {folder.holds()}")
+            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds()}; lower --lr",
+                file=sys.stderr)
+            return 1
     return 0
-
-
-def lr_schedule(optimizer, example, first_epoch):
-    """The post's StepLR(10, 0.1) as a torch scheduler, stepped once an epoch. LambdaLR
-    computes each epoch's lr from --lr and the epoch, where StepLR multiplies the last one:
-    so a run resumed at first_epoch gets the lr that the uninterrupted run had."""
-    def factor(epoch):
-        return LR_GAMMA[example] ** ((first_epoch + epoch) // LR_STEP_EPOCHS)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_loader,
@@ -534,9 +529,8 @@ def progress(items, total, label, log):
 
 def header(args, device):
     """The first line a training run prints: what it trains, on what, how."""
-    data = args.data
-    if args.example == "linear":
-        data = "one batch"
+    # The linear example trains on its one batch, whatever --data says.
+    data = {"linear": "one batch"}.get(args.example, args.data)
     return (f"amp_train | example {args.example} | torch {torch.__version__} | device "
             f"{device_label(device)} | precision {args.precision} | data {data} | batch "
             f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | "
@@ -545,27 +539,23 @@ def header(args, device):
 
 def json_line(record):
     """The record as a line of JSON, with null for inf and NaN, which JSON lacks."""
-    text = json.dumps(record)
+    text = json.dumps(record).replace("-Infinity", "null")
     # No key or other value of a record holds these words.
-    for number in ("-Infinity", "Infinity", "NaN"):
-        text = text.replace(number, "null")
-    return text + "\n"
+    return text.replace("Infinity", "null").replace("NaN", "null") + "\n"
 
 
 def epoch_problem(record, model):
-    """(Why this epoch is not saved, whether the run must stop), or (None, False)."""
+    """Why training cannot go on after this epoch, or None. An inf/NaN loss alone is no
+    reason: in fp16 the scaler skipped that step, and the weights are sound."""
     tensors = model.state_dict()
     # One host sync for all the model's tensors.
     finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()
     # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
     if not all(finite):
-        return f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN", True
+        return f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN"
     if record["loss_scale"] < MIN_LOSS_SCALE:
-        return f"the loss scale fell to {record['loss_scale']:g}: inf/NaN gradients", True
-    # An inf loss in fp16: the scaler skipped its step, and the weights are sound.
-    if not math.isfinite(record["train_loss"] + record.get("test_loss", 0.0)):
-        return "its mean train or test loss is inf/NaN", False
-    return None, False
+        return f"the loss scale fell to {record['loss_scale']:g}: inf/NaN gradients"
+    return None
 
 
 def epoch_line(record, epochs):
@@ -697,44 +687,32 @@ def amp_report(measured):
 
 def cell(key, value):
     """A value of amp_report's table, in the unit its key ends with."""
-    if key.endswith("bytes"):
-        return f"{value / 2**20:.4g} MiB"
-    if key.endswith("seconds"):
-        return f"{1000 * value:.2f} ms"
-    return f"{value:.1f}"
+    scale, unit = REPORT_UNITS[key.rsplit("_", 1)[1]]
+    return f"{value / scale:.2f} {unit}"
 
 
 def run_memory(args, device, notes):
-    """The memory example: --model and one batch, measured by measure_amp. Its linear is the
-    post's problem, resnet18 ResNet18 with the CIFAR stem (resnet18-imagenet, the post's)
-    on CIFAR-sized images, and any other name torchvision's model, on random images of the
-    size it takes. Returns 0."""
+    """The memory example: --model and a batch of random data, measured by measure_amp: the
+    post's Linear(10, 1) problem, or an image model (see image_classifier), channels_last
+    for oneDNN and cuDNN. Returns 0."""
     torch.manual_seed(args.seed)
-    if args.model == "linear":
-        model, criterion = nn.Linear(10, 1), nn.MSELoss()
-        batch = linear_batch(args.batch_size, args.seed)
-    elif args.model in ("resnet18", "resnet18-imagenet"):
-        model, criterion = resnet18(args.model == "resnet18-imagenet"), nn.CrossEntropyLoss()
-        images, labels = synthetic_cifar10(args.batch_size, args.seed)
-        batch = cifar10_transform(device, augment=False)(images, None), labels
-    else:
-        model, size = torchvision_classifier(args.model)
-        criterion = nn.CrossEntropyLoss()
-        images = torch.randn(args.batch_size, 3, size, size)
+    model, criterion = nn.Linear(10, 1), nn.MSELoss()
+    batch = linear_batch(args.batch_size, args.seed)
+    if args.model != "linear":
+        model, side = image_classifier(args.model)
+        model, criterion = model.to(memory_format=torch.channels_last), nn.CrossEntropyLoss()
+        images = torch.randn(args.batch_size, 3, side, side)
         labels = torch.randint(0, 10, (args.batch_size,))
         batch = images.contiguous(memory_format=torch.channels_last), labels
-    model = model.to(memory_format=torch.channels_last)
-    for line in [f"memory | torch {torch.__version__} | device {device_label(device)} | model "
-                 f"{args.model} | batch {args.batch_size}", *notes]:
-        say(line)
+    say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
+        f"{args.model} | batch {args.batch_size}", *notes)
     try:
         measured = measure_amp(model, batch, criterion, device, args.precision, args.steps,
                                args.model, say)
     except ValueError as e:
         # BatchNorm cannot train on one value a channel: a batch of one, and 1x1 maps.
         raise UsageError(f"{e}: raise --batch-size")
-    for line in amp_report(measured):
-        say(line)
+    say(*amp_report(measured))
     return 0
 
 
@@ -930,12 +908,7 @@ def check_checkpoint(state):
 def is_json_line(text):
     """Whether `text` is one JSON object on one line, in ASCII, as json_line writes it."""
     one_line = text.isascii() and text.endswith("\n") and text.count("\n") == 1
-    return one_line and isinstance(json.loads(text, parse_constant=refuse), dict)
-
-
-def refuse(constant):
-    """json.loads reads NaN and Infinity, which are no JSON: refused."""
-    raise ValueError(f"{constant} is no JSON")
+    return one_line and isinstance(json.loads(text), dict)
 
 
 def known_good(tensor):
@@ -950,21 +923,20 @@ def resume_args(argv, state, device):
     saved = []
     if state is not None:
         saved = [f"--{key.replace('_', '-')}={state['args'].get(key)}" for key in RUN_FLAGS]
-    # A checkpoint's flags pass the command line's checks.
+    # argv passed alone, so a mistake here is in a checkpoint's flags.
     try:
-        before = parse_args(saved)
+        args = parse_args(saved + argv)
     except UsageError as e:
         raise UsageError(f"the checkpoint's flags are refused ({e})")
-    args = parse_args(saved + argv)
     args.precision, notes = resolve_precision(args.precision, device, args.example)
     if state is None:
         return args, notes
+    if args.data != state["args"]["data"]:
+        raise UsageError(f"the checkpoint was trained on --data {state['args']['data']}")
     # All but --epochs, which a resume raises.
-    changed = [key for key in RUN_FLAGS[1:] if getattr(args, key) != getattr(before, key)]
-    if "data" in changed:
-        raise UsageError(f"the checkpoint was trained on --data {before.data}")
     notes += [f"note: --{key.replace('_', '-')} {getattr(args, key)} replaces the "
-              f"checkpoint's {getattr(before, key)}" for key in changed]
+              f"checkpoint's {state['args'][key]}" for key in RUN_FLAGS[1:]
+              if getattr(args, key) != state["args"][key]]
     return args, notes + [f"resumed from {args.run_dir} after epoch {state['epoch']}"]
 
 
@@ -1006,7 +978,10 @@ def open_run_folder(args, job):
         except UsageError as e:
             found = e
     # Every process goes on from rank 0's checkpoint, or stops with its error.
-    found = share(found)
+    shared = [found]
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    found = shared[0]
     if isinstance(found, UsageError):
         raise found
     return folder, found
@@ -1030,7 +1005,15 @@ def join_processes(device):
     same name, which a restart finds in the checkpoint; another launch gets another."""
     if "WORLD_SIZE" not in os.environ:
         return os.urandom(16).hex()
-    store, process_rank, processes = wait_for_peers()
+    try:
+        store, process_rank, processes = next(dist.rendezvous("env://", timeout=DIST_TIMEOUT))
+    except ValueError as e:
+        # MASTER_ADDR, MASTER_PORT or RANK is missing.
+        raise UsageError(f"{e}: use torchrun, or unset WORLD_SIZE")
+    except Exception as e:
+        # A port in use, a peer that never came: torch names the cause.
+        cause = str(e).splitlines()[0]
+        raise UsageError(f"the processes could not meet ({cause})", 3, every_process=True)
     # The rendezvous id: a uuid with --standalone, the job's --rdzv-id across machines. A
     # static rendezvous has "none", but keeps its store for every round: the first process
     # leaves a name there.
@@ -1049,37 +1032,6 @@ def join_processes(device):
     return job
 
 
-def wait_for_peers():
-    """torchrun's env:// rendezvous: (store, rank, world size). It waits in C++, where no
-    signal reaches Python, so it waits in a helper thread while Ctrl-C can stop this one."""
-    met = []
-
-    def meet():
-        try:
-            met.append(next(dist.rendezvous("env://", timeout=DIST_TIMEOUT)))
-        except Exception as e:
-            met.append(e)
-    thread = threading.Thread(target=meet, daemon=True)
-    thread.start()
-    # A signal's handler raises here.
-    thread.join()
-    # MASTER_ADDR, MASTER_PORT or RANK is missing.
-    if isinstance(met[0], ValueError):
-        raise UsageError(f"{met[0]}: use torchrun, or unset WORLD_SIZE")
-    # A port in use, a peer that never came: torch names the cause.
-    if isinstance(met[0], Exception):
-        raise GroupError(f"the processes could not meet ({str(met[0]).splitlines()[0]})")
-    return met[0]
-
-
-def share(value):
-    """Rank 0's `value`, on every process."""
-    values = [value]
-    if dist.is_initialized():
-        dist.broadcast_object_list(values, src=0)
-    return values[0]
-
-
 def leave_processes():
     """Leaves the process group, if any, at the very end."""
     if dist.is_initialized():
@@ -1091,17 +1043,14 @@ def leave_processes():
 # ---------- errors and signals
 
 class UsageError(Exception):
-    """A mistake the user can fix: one line that says what to do, exit status 2. Every
-    process finds it alike, so that under torchrun rank 0 alone says it."""
-    status = 2
-    every_process = False
+    """A mistake the user can fix: one line that says what to do, and an exit status: 2, or
+    3 where the processes failed to meet or to work on together. A mistake that every
+    process finds alike is said by rank 0 alone under torchrun; one that a process met on
+    its own side (a failed process group, running out of memory), by every_process."""
 
-
-class GroupError(UsageError):
-    """The processes failed to meet, or to work on together: one line, exit 3, from every
-    process, since each saw its own side of it."""
-    status = 3
-    every_process = True
+    def __init__(self, message, status=2, every_process=False):
+        super().__init__(message)
+        self.status, self.every_process = status, every_process
 
 
 class Stopped(KeyboardInterrupt):
@@ -1120,29 +1069,28 @@ def ignore_signals():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def say(line, file=None, every_process=False):
-    """Prints one line; under torchrun, rank 0 alone does, unless every_process. A folder's
-    name may hold a newline, or bytes that are not UTF-8: they are escaped, so that the line
-    stays one line, and one that any terminal prints."""
+def say(*lines, file=None, every_process=False):
+    """Prints each line; under torchrun, rank 0 alone does, unless every_process. A folder's
+    name may hold a newline, or bytes that are not UTF-8: they are escaped, so that each
+    line stays one line, and one that any terminal prints."""
     if rank() != 0 and not every_process:
         return
-    line = line.translate(CONTROL_CHARACTERS)
-    # A byte of a file name that is not UTF-8 comes as a lone surrogate: it prints as \udcff.
-    print(line.encode("utf-8", "backslashreplace").decode("utf-8"), file=file, flush=True)
+    for line in lines:
+        line = line.translate(CONTROL_CHARACTERS)
+        # A byte of a file name that is not UTF-8 comes as a lone surrogate: \udcff.
+        print(line.encode("utf-8", "backslashreplace").decode(), file=file, flush=True)
 
 
 def as_error(error, folder):
     """torch's RuntimeError as one of ours: out of memory (exit 2), or a failed process
     group (exit 3; gloo's are plain RuntimeErrors). Anything else is a bug: re-raised."""
-    if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
-        out_of_memory = UsageError("out of memory: lower --batch-size")
-        # One process may run out alone.
-        out_of_memory.every_process = True
-        return out_of_memory
+    # CUDA's "out of memory. Tried to allocate", the CPU's "can't allocate memory".
+    if "allocate" in str(error):
+        return UsageError("out of memory: lower --batch-size", every_process=True)
     if not dist.is_initialized():
         raise error
     cause = str(error).splitlines()[0][:200]
-    return GroupError(f"the process group failed ({cause}); {folder.holds()}")
+    return UsageError(f"the process group failed ({cause}); {folder.holds()}", 3, True)
 
 
 # ====================================================================================
@@ -1169,7 +1117,22 @@ def number(kind, low, high):
 
 
 def parse_args(argv):
-    """The flags, checked; the help shows each one's default."""
+    """The flags, checked: one line and exit 2 for any mistake, through main()."""
+    args = make_parser().parse_args(argv)
+    if args.example == "memory":
+        if args.precision == "fp32":
+            raise UsageError("--example memory compares fp32 with --precision bf16 or fp16")
+        if args.run_dir is not None:
+            raise UsageError("--run-dir is for the resnet and linear examples")
+        if world_size() > 1:
+            raise UsageError("--example memory measures one process: run it without torchrun")
+    if args.resume and args.run_dir is None:
+        raise UsageError("--resume needs --run-dir DIR")
+    return args
+
+
+def make_parser():
+    """The command line's flags, each with its help and default."""
     count, limit = number(int, 1, 2**31 - 1), number(int, 0, 2**31 - 1)
     largest = torch.finfo(torch.float32).max
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1200,22 +1163,13 @@ def parse_args(argv):
     add("--resume", action="store_true",
         help="go on with --run-dir's run, with its flags unless given again")
     add("--model", default="resnet18",
-        help="memory's: resnet18 (the CIFAR stem), resnet18-imagenet (the post's), linear, "
-        "or a name of torchvision.models.list_models() (default: resnet18)")
+        help="memory's: resnet18 (CIFAR stem), resnet18-imagenet (the post's), linear, or a "
+        "torchvision.models.list_models() name (default: resnet18)")
     add("--steps", type=count, default=MEMORY_STEPS,
         help="memory's timed steps, after 3 warm-up steps (default: 20)")
     add("--seed", type=number(int, 0, 2**32 - 1), default=0,
         help="seeds the weights, the data and its order (default: 0)")
-    args = p.parse_args(argv)
-    if args.example == "memory" and args.precision == "fp32":
-        raise UsageError("--example memory compares fp32 with --precision bf16 or fp16")
-    if args.example == "memory" and args.run_dir is not None:
-        raise UsageError("--run-dir is for the resnet and linear examples")
-    if args.example == "memory" and world_size() > 1:
-        raise UsageError("--example memory measures one process: run it without torchrun")
-    if args.resume and args.run_dir is None:
-        raise UsageError("--resume needs --run-dir DIR")
-    return args
+    return p
 
 
 def main(argv):
@@ -1249,7 +1203,7 @@ def main(argv):
     if signal.getsignal(signal.SIGTERM) is stop:
         ignore_signals()
     if error is not None:
-        say(f"error: {error}", sys.stderr, error.every_process)
+        say(f"error: {error}", file=sys.stderr, every_process=error.every_process)
     folder.close()
     leave_processes()
     return status

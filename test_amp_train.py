@@ -611,15 +611,24 @@ def test_a_torchvision_classifier_is_built_for_10_classes_at_its_weights_size(na
                                                                              monkeypatch):
     import torchvision
     built = []
-    monkeypatch.setattr(torchvision.models, "get_model",
-                        lambda name, **kwargs: built.append(kwargs) or name)
-    assert amp_train.torchvision_classifier(name) == (name, size)
+
+    def get_model(name, **kwargs):
+        built.append(kwargs)
+        return name
+    monkeypatch.setattr(torchvision.models, "get_model", get_model)
+    assert amp_train.image_classifier(name) == (name, size)
     assert built[0]["num_classes"] == 10, built
+
+
+@pytest.mark.parametrize("name,stem", [("resnet18", 3), ("resnet18-imagenet", 7)])
+def test_the_memory_examples_resnet18s_take_cifar_sized_images(name, stem, resnet18):
+    model, side = amp_train.image_classifier(name)
+    assert (model.conv1.kernel_size[0], model.fc.out_features, side) == (stem, 10, 32)
 
 
 @pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
 def test_torchvisions_models_with_auxiliary_logits_train_on_a_plain_loss(name):
-    model, size = amp_train.torchvision_classifier(name)
+    model, size = amp_train.image_classifier(name)
     outputs = model.train()(torch.randn(2, 3, size, size))
     assert isinstance(outputs, torch.Tensor) and outputs.shape == (2, 10), type(outputs)
 
@@ -889,8 +898,8 @@ def test_a_run_whose_weights_turn_nan_stops_and_keeps_its_last_sound_epoch(tmp_p
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 1
 
 
-def test_an_epoch_with_a_nan_test_loss_is_not_saved_and_training_goes_on(tmp_path, monkeypatch,
-                                                                        capsys):
+def test_an_epoch_with_a_nan_loss_and_sound_weights_is_saved_and_training_goes_on(
+        tmp_path, monkeypatch):
     evaluate, calls = amp_train.evaluate, []
 
     def nan_once(*args):
@@ -898,8 +907,7 @@ def test_an_epoch_with_a_nan_test_loss_is_not_saved_and_training_goes_on(tmp_pat
         return {**evaluate(*args), "loss": math.nan if len(calls) == 1 else 1.0}
     monkeypatch.setattr(amp_train, "evaluate", nan_once)
     ok(RESNET + ["--epochs", "2", "--run-dir", str(tmp_path)])
-    assert f"epoch 1 is not saved: its mean train or test loss is inf/NaN; {tmp_path} holds " \
-           "epoch 0" in capsys.readouterr().out
+    assert [r["test_loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [None, 1.0]
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 2
 
 
@@ -1035,7 +1043,7 @@ def test_readmes_own_model_block_runs_as_shown_and_prints_the_table_and_verdict(
                         functools.partial(amp_train.measure_amp, steps=2))
     exec(compile(block, "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert re.search(r"^samples_per_second +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M), out
+    assert re.search(r"^samples_per_second +[\d.]+ /s +[\d.]+ /s +[\d.]+$", out, re.M), out
     assert re.search(r"^verdict: .*: bf16 steps take [\d.]+x fp32's time", out, re.M), out
 
 
@@ -1053,8 +1061,8 @@ def test_the_memory_example_prints_its_header_table_and_verdict(capsys):
     out = capsys.readouterr().out
     assert out.startswith("memory | torch ") and "| model linear | batch 128\n" in out, out
     for row in (r" +fp32 +bf16 +bf16/fp32", r"activation_bytes +[\d.]+ MiB +[\d.]+ MiB +0\.\d\d",
-                r"weight_copy_bytes +0 MiB +[\d.]+ MiB +n/a",
-                r"samples_per_second +[\d.]+ +[\d.]+ +[\d.]+",
+                r"weight_copy_bytes +0\.00 MiB +[\d.]+ MiB +n/a",
+                r"samples_per_second +[\d.]+ /s +[\d.]+ /s +[\d.]+",
                 r"slowest_step_seconds +[\d.]+ ms +[\d.]+ ms +[\d.]+",
                 r"verdict: linear, batch 128, cpu \(bf16: .*\), torch .*: bf16 steps take "
                 r"[\d.]+x fp32's time, 0\.\d\dx its activation memory; AMP is (not )?faster here"):
@@ -1220,7 +1228,6 @@ BAD_FIELDS = [
     ({"metrics": ["x\n"]}, "JSONDecodeError"),
     ({"metrics": ['{"a": 1}\n{"b": 2}\n']}, "damaged"),
     ({"metrics": ["[1, 2]\n"]}, "damaged"),
-    ({"metrics": ['{"loss": NaN}\n']}, "NaN is no JSON"),
     ({"metrics": ['{"\u00e9": 1}\n']}, "damaged"),
     ({"metrics": ["\ud800\n"]}, "damaged"),
     ({"metrics": [1]}, "TypeError"),
@@ -1491,26 +1498,6 @@ def test_a_peer_that_never_comes_ends_in_one_line_and_exit_3(monkeypatch, capsys
             monkeypatch.setenv(key, value)
         return run_bad(LINEAR, capsys, status=3)
     assert "1/2 clients joined" in retry_if_the_port_was_taken(alone)
-
-
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_while_processes_meet_ends_in_one_line(signum):
-    def run(port):
-        # Rank 1 never comes.
-        waiting = script(*LINEAR, **torchrun_env(port))
-        for _ in range(600):
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
-        time.sleep(0.5)
-        started = time.monotonic()
-        waiting.send_signal(signum)
-        err = waiting.communicate(timeout=30)[1]
-        return waiting.returncode, err, time.monotonic() - started
-    status, err, seconds = retry_if_the_port_was_taken(run)
-    stop = f"error: stopped by {signal.Signals(signum).name}; {NOTHING_SAVED}\n"
-    assert (status, err) == (128 + signum, stop) and seconds < 5, (status, err, seconds)
 
 
 @pytest.mark.parametrize("run_id,same_store", [("none", True), ("a-uuid", False)])
