@@ -295,8 +295,8 @@ def image_classifier(name):
         return resnet18(imagenet_stem=name == "resnet18-imagenet"), 32
     import torchvision
     if name not in torchvision.models.list_models(module=torchvision.models):
-        raise UsageError(f"--model {name} is neither linear, resnet18, resnet18-imagenet, "
-                         "nor a name of torchvision.models.list_models()")
+        raise UsageError(f"--model {name}: not linear, resnet18(-imagenet), nor a name "
+                         "of torchvision.models.list_models()")
     weights = torchvision.models.get_model_weights(name)
     side = min(weight.transforms.keywords["crop_size"] for weight in weights)
     options = TORCHVISION_OPTIONS.get(name, {})

@@ -1656,7 +1656,11 @@ amp_train.{name} = dying
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, amp_train.stop)
     signal.signal(signal.SIGTERM, amp_train.stop)
-    sys.exit(amp_train.main(sys.argv[1:]))
+    status = amp_train.main(sys.argv[1:])
+    amp_train.ignore_signals()
+    with open(os.path.join(os.path.dirname(__file__), f"exit{{os.environ.get('RANK')}}"), "w") as f:
+        f.write(str(status))
+    sys.exit(status)
 """
 
 
@@ -1702,8 +1706,8 @@ def test_under_torchrun_a_dead_peer_ends_the_survivor_in_one_line_and_exit_3_or_
     errors = re.findall(r"^error: .*$", done.stderr, re.M)
     assert len(errors) == 1 and ("the process group failed" in errors[0]
                                  or "stopped by SIGTERM" in errors[0]), done.stderr
-    assert re.search(r"rank *: 0 \(local_rank: 0\)\n *exitcode *: (3|143) ", done.stderr), \
-        done.stderr
+    # torch 2.6's torchrun does not report the survivor it stopped: it says its own status.
+    assert (tmp_path / "exit0").read_text() in ("3", "143"), done.stderr
 
 
 def test_torchrun_restarts_go_on_from_their_jobs_checkpoint_and_a_new_job_takes_nothing(
