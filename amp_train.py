@@ -27,7 +27,6 @@ import signal
 import stat
 import statistics
 import sys
-import threading
 import time
 import zipfile
 
@@ -61,8 +60,8 @@ NOISY_SPREAD = 1.3
 REPORT_UNITS = {"bytes": (2**20, "MiB"), "seconds": (1e-3, "ms"), "second": (1, "/s")}
 # torchvision's googlenet and inception_v3 also return auxiliary logits in training, which a
 # plain loss cannot take, and warn that their default initialization will change.
-TORCHVISION_OPTIONS = {name: {"aux_logits": False, "init_weights": True}
-                       for name in ("googlenet", "inception_v3")}
+TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
+                                    {"aux_logits": False, "init_weights": True})
 # A long epoch or measurement says how far it got this often, in seconds.
 PROGRESS_SECONDS = 15
 
@@ -72,8 +71,7 @@ RUN_FLAGS = ("epochs", "example", "precision", "batch_size", "lr", "data", "max_
              "clip_grad_norm", "accum_steps", "seed")
 CHECKPOINT_FORMAT = "amp_train checkpoint 6"
 CHECKPOINT_FIELDS = {"format": str, "job": str, "epoch": int, "args": dict, "metrics": list,
-                     "model": dict, "optimizer": dict, "loss_scale": float,
-                     "growth_tracker": int}
+                     "model": dict, "loss_scale": float, "growth_tracker": int}
 # ResNet18's checkpoint takes 45 MB.
 MAX_CHECKPOINT_BYTES = 2**30
 # fp16 cannot go on once its loss scale falls 32 halvings under 2**16: the gradients
@@ -234,20 +232,16 @@ def resolve_precision(name, device, example):
     on CUDA; on a CPU it is bf16 where the CPU has bf16 instructions and fp32 where it has
     none, since bf16 is emulated there, slower than fp32. The memory example's "auto" is AMP
     on every device: whether AMP pays is what it measures."""
-    cpu = device.type == "cpu"
-    emulated = cpu and cpu_bf16() == "none"
+    emulated = device.type == "cpu" and cpu_bf16() == "none"
     if name == "auto":
         name = AMP_PRECISION[device.type]
         if emulated and example != "memory":
             return "fp32", [f"note: auto trains in fp32: {NO_BF16}"]
-    if name == "bf16" and not cpu and not torch.cuda.is_bf16_supported(False):
+    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(False):
         raise UsageError("this GPU has no bfloat16: use --precision fp16")
-    notes = []
     if name == "bf16" and emulated:
-        notes.append(f"note: bf16 is emulated here, slower than fp32: {NO_BF16}")
-    if name == "fp16" and cpu:
-        notes.append("warning: fp16 is very slow on CPUs: bf16 or fp32 is faster")
-    return name, notes
+        return name, [f"note: bf16 is emulated here, slower than fp32: {NO_BF16}"]
+    return name, []
 
 
 def make_optimizer(model, lr):
@@ -293,23 +287,22 @@ def image_classifier(name):
     states (224 for most, 299 for inception_v3). Nothing is downloaded."""
     if name in ("resnet18", "resnet18-imagenet"):
         return resnet18(imagenet_stem=name == "resnet18-imagenet"), 32
-    import torchvision
-    if name not in torchvision.models.list_models(module=torchvision.models):
+    from torchvision import models
+    if name not in models.list_models(module=models):
         raise UsageError(f"--model {name}: not linear, resnet18(-imagenet), nor a name "
                          "of torchvision.models.list_models()")
-    weights = torchvision.models.get_model_weights(name)
+    weights = models.get_model_weights(name)
     side = min(weight.transforms.keywords["crop_size"] for weight in weights)
     options = TORCHVISION_OPTIONS.get(name, {})
-    return torchvision.models.get_model(name, num_classes=10, **options), side
+    return models.get_model(name, num_classes=10, **options), side
 
 
 class DeviceLoader:
     """Batches of (inputs, targets) held on the device, as in airbench: a few tensor ops a
-    batch, and no worker process. Under torchrun each process takes its own share (by RANK
-    and WORLD_SIZE). Training
-    batches (`shuffle`) come in an order drawn from (seed, epoch), as many whole ones for
-    each process (BatchNorm needs 2 samples or more); test batches hold every sample once.
-    max_batches cuts an epoch short."""
+    batch, and no worker process. Training batches (`shuffle`) come in an order drawn from
+    (seed, epoch); under torchrun each process takes its share (by RANK and WORLD_SIZE), as
+    many whole batches as every other (BatchNorm needs 2 samples or more). Test batches hold
+    every sample once. max_batches cuts an epoch short."""
 
     def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False,
                  seed=0, max_batches=sys.maxsize):
@@ -318,8 +311,8 @@ class DeviceLoader:
         self.seed, self.max_batches, self.epoch = seed, max_batches, 0
 
     def __len__(self):
-        # Testing: this process's share, every sample once.
-        batches = math.ceil(len(self.targets[rank()::world_size()]) / self.batch_size)
+        # Testing: every sample once, on every process.
+        batches = math.ceil(len(self.targets) / self.batch_size)
         # Training: as many whole batches for every process.
         if self.shuffle:
             batches = len(self.targets) // world_size() // self.batch_size
@@ -331,9 +324,10 @@ class DeviceLoader:
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32
         order = torch.arange(len(self.targets))
         if self.shuffle:
-            # Drawn on the CPU, where every process draws the same order.
+            # Drawn on the CPU, where every process draws the same order, and takes its share.
             order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed))
-        order = order[rank()::world_size()][:len(self) * self.batch_size]
+            order = order[rank()::world_size()]
+        order = order[:len(self) * self.batch_size]
         # Each process crops and flips its own way: its rank shifts the seed by a prime.
         augment = torch.Generator(self.targets.device)
         augment.manual_seed((seed + 7919 * (rank() + 1)) % 2**32)
@@ -410,13 +404,9 @@ def linear_batch(batch_size, seed):
 
 
 def build_example(args, device):
-    """The model, loss, training and test loaders of args.example, for this process. The
-    resnet example's --batch-size is each process's; linear's one batch is shared out."""
+    """The model, loss, training and test loaders of args.example, for this process; its
+    --batch-size is each process's. The linear example trains every process on its batch."""
     if args.example == "linear":
-        # DDP averages the processes' mean losses: unequal shares would weigh samples unequally.
-        if args.batch_size % world_size():
-            raise UsageError(f"--batch-size {args.batch_size} does not share out evenly "
-                             f"among {world_size()} processes")
         loader = DeviceLoader(*linear_batch(args.batch_size, args.seed), args.batch_size, device)
         return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, []
     train, test = synthetic_cifar10(10_000, args.seed), synthetic_cifar10(2_000, args.seed, False)
@@ -437,24 +427,28 @@ def build_example(args, device):
 
 # ---------- the examples' epoch loop
 
-def train_example(args, device, folder, state=None, notes=()):
+def train_example(args, device, folder, state, notes):
     """The resnet and linear examples, as imagenet's main_worker: build the model, then
     train, test, print and save each epoch. folder saves the run (see RunFolder; a NoFolder
     saves nothing), and state is the checkpoint to go on from. Returns 0, or 1 if training
     diverged."""
-    amp_dtype = PRECISIONS[args.precision]
     torch.manual_seed(args.seed)
     model, criterion, train_loader, test_loader = build_example(args, device)
     optimizer = make_optimizer(model, args.lr)
-    scaler = SkipCountingScaler(device.type, enabled=amp_dtype is torch.float16)
-    metrics = restore(state, model, optimizer, scaler)
+    scaler = SkipCountingScaler(device.type, enabled=args.precision == "fp16")
+    metrics = restore(state, model, scaler)
     first_epoch, gamma = len(metrics), LR_GAMMA[args.example]
     # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr
     # from --lr and the epoch, where StepLR multiplies the last one: so a resumed run gets
     # the lr that the uninterrupted run had.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda epoch: gamma ** ((first_epoch + epoch) // LR_STEP_EPOCHS))
-    say(header(args, device), *notes)
+    # The linear example trains on its one batch, whatever --data says.
+    data = {"linear": "one batch"}.get(args.example, args.data)
+    say(f"amp_train | example {args.example} | torch {torch.__version__} | device "
+        f"{device_label(device)} | precision {args.precision} | data {data} | batch "
+        f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
+        f"{args.epochs}", *notes)
     if first_epoch >= args.epochs:
         say(f"nothing to do: the checkpoint has {first_epoch} epochs")
         return 0
@@ -464,7 +458,7 @@ def train_example(args, device, folder, state=None, notes=()):
     if world_size() > 1:
         trained = nn.parallel.DistributedDataParallel(model)
     # Saved before the first epoch: every write is tried before anything is trained.
-    folder.save(args, metrics, model, optimizer, scaler)
+    folder.save(args, metrics, model, scaler)
     for epoch in range(first_epoch, args.epochs):
         record = run_epoch(args, epoch, trained, model, criterion, optimizer, scaler,
                            train_loader, test_loader, device)
@@ -473,7 +467,7 @@ def train_example(args, device, folder, state=None, notes=()):
         metrics.append(json_line(record))
         problem = epoch_problem(record, model)
         # The checkpoint keeps the last sound epoch; the metrics show this one too.
-        folder.save(args, metrics, model, optimizer, scaler, checkpoint=problem is None)
+        folder.save(args, metrics, model, scaler, checkpoint=problem is None)
         if problem is not None:
             say(f"error: epoch {epoch + 1}: {problem}; {folder.holds()}; lower --lr",
                 file=sys.stderr)
@@ -487,27 +481,25 @@ def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_l
     amp_dtype = PRECISIONS[args.precision]
     # The order, crops and flips come from (seed, epoch): a resumed run sees the same.
     train_loader.epoch = epoch
-    batches = progress(train_loader, len(train_loader), f"epoch {epoch + 1}: batch", say)
+    batches = progress(train_loader, f"epoch {epoch + 1}: batch", say)
     start = time.perf_counter()
     stats = train_epoch(trained, batches, optimizer, criterion, scaler, device, amp_dtype,
                         clip_grad_norm=args.clip_grad_norm or None, accum_steps=args.accum_steps)
     seconds = time.perf_counter() - start
-    # Each process's BatchNorm statistics are its own: all test with rank 0's.
+    # Each process's BatchNorm statistics are its own: all test the whole test set with
+    # rank 0's, and agree.
     if world_size() > 1:
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
     tested = evaluate(model, test_loader, criterion, device, amp_dtype)
-    sums = [stats["loss"] * stats["samples"], stats["samples"], tested["samples"],
-            tested["loss"] * tested["samples"], tested["accuracy"] * tested["samples"]]
-    sums = torch.tensor(sums, dtype=torch.float64, device=device)
+    # The mean train loss over every process's samples.
+    sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"]], device=device)
     if dist.is_initialized():
         dist.all_reduce(sums)
-    loss_sum, samples, test_samples, test_loss_sum, correct = sums.tolist()
-    record = {"example": args.example, "precision": args.precision, "epoch": epoch + 1,
-              "train_loss": loss_sum / samples}
+    loss_sum, samples = sums.tolist()
+    record = {"precision": args.precision, "epoch": epoch + 1, "train_loss": loss_sum / samples}
     if args.example == "resnet":
-        record.update(test_loss=test_loss_sum / test_samples,
-                      test_accuracy=correct / test_samples)
+        record.update(test_loss=tested["loss"], test_accuracy=tested["accuracy"])
     # Every process skipped the same steps: rank 0's count is all's.
     skipped, scaler.skipped_steps = int(scaler.skipped_steps), 0
     return {**record, "lr": optimizer.param_groups[0]["lr"], "loss_scale": scaler.get_scale(),
@@ -515,26 +507,16 @@ def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_l
             "samples_per_second": samples / seconds, "processes": world_size()}
 
 
-def progress(items, total, label, log):
-    """Yields `items`. Every PROGRESS_SECONDS it logs how many of `total` are done and the
-    time each took so far: a slow run shows that it is alive, and how long it will take."""
+def progress(items, label, log):
+    """Yields `items`. Every PROGRESS_SECONDS it logs how many of them are done and the time
+    each took so far: a slow run shows that it is alive, and how long it will take."""
     start = last = time.perf_counter()
     for done, item in enumerate(items, 1):
         yield item
         now = time.perf_counter()
         if now - last >= PROGRESS_SECONDS:
             last = now
-            log(f"  {label} {done}/{total} | {(now - start) / done:.3f} s each")
-
-
-def header(args, device):
-    """The first line a training run prints: what it trains, on what, how."""
-    # The linear example trains on its one batch, whatever --data says.
-    data = {"linear": "one batch"}.get(args.example, args.data)
-    return (f"amp_train | example {args.example} | torch {torch.__version__} | device "
-            f"{device_label(device)} | precision {args.precision} | data {data} | batch "
-            f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | "
-            f"epochs {args.epochs}")
+            log(f"  {label} {done}/{len(items)} | {(now - start) / done:.3f} s each")
 
 
 def json_line(record):
@@ -560,14 +542,12 @@ def epoch_problem(record, model):
 
 def epoch_line(record, epochs):
     """The epoch's log line: fixed fields with units, greppable."""
-    line = f"epoch {record['epoch']:>{len(str(epochs))}}/{epochs}"
-    line += f" | train loss {record['train_loss']:.4f}"
+    line = "epoch {epoch:>{width}}/{epochs} | train loss {train_loss:.4f}"
     if "test_loss" in record:
-        line += f" | test loss {record['test_loss']:.4f}"
-        line += f" | test acc {100 * record['test_accuracy']:5.2f}%"
-    return (f"{line} | lr {record['lr']:.4g} | scale {record['loss_scale']:g} | skipped "
-            f"{record['skipped_steps']} | {record['samples_per_second']:.0f} samples/s | "
-            f"{record['seconds']:.3f} s")
+        line += " | test loss {test_loss:.4f} | test acc {test_accuracy:6.2%}"
+    line += (" | lr {lr:.4g} | scale {loss_scale:g} | skipped {skipped_steps} | "
+             "{samples_per_second:.0f} samples/s | {seconds:.3f} s")
+    return line.format(width=len(str(epochs)), epochs=epochs, **record)
 
 
 # ---------- the memory measurement: what AMP buys on a model
@@ -577,8 +557,6 @@ def count_saved_tensors(model):
     """Counts, on leaving the block, the bytes that autograd saved in it for backward:
     activations, which grow with the batch, and weight copies, which autocast cast from a
     weight to a lower precision, and which do not."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    weight_ids = set(map(id, model.parameters()))
     saved = {}
 
     def pack(tensor):
@@ -587,16 +565,17 @@ def count_saved_tensors(model):
         while len(getattr(node, "next_functions", ())) == 1:
             cast |= node.name() == "ToCopyBackward0"
             node = node.next_functions[0][0]
-        copied = cast and id(getattr(node, "variable", None)) in weight_ids
+        copied = cast and isinstance(getattr(node, "variable", None), nn.Parameter)
         storage = tensor.untyped_storage()
-        # A weight itself is no memory saved for backward: it is there anyway.
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes(), copied
+        saved[storage.data_ptr()] = storage.nbytes(), copied
         return tensor
 
     counts = {"activation_bytes": 0, "weight_copy_bytes": 0}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield counts
+    # A weight itself is no memory saved for backward: it is there anyway.
+    for weight in model.parameters():
+        saved.pop(weight.untyped_storage().data_ptr(), None)
     for nbytes, copied in saved.values():
         counts["weight_copy_bytes" if copied else "activation_bytes"] += nbytes
 
@@ -614,13 +593,12 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, label, l
         # train_epoch ends in a host sync: the time is the device's as well.
         train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
         return time.perf_counter() - start
-    total = MEMORY_WARMUP_STEPS + steps
-    ticks = progress(range(total), total, f"{label}: step", log)
+    ticks = progress(range(MEMORY_WARMUP_STEPS + steps), f"{label}: step", log)
     # The first steps allocate memory and choose kernels: untimed. The first one counts what
     # autograd saves, which every step saves alike.
     with count_saved_tensors(model) as measured:
-        for _ in itertools.islice(ticks, 1):
-            step()
+        next(ticks)
+        step()
     for _ in itertools.islice(ticks, MEMORY_WARMUP_STEPS - 1):
         step()
     if device.type == "cuda":
@@ -635,7 +613,7 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, label, l
         measured["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     median = statistics.median(seconds)
     return {**measured, "median_step_seconds": median, "fastest_step_seconds": min(seconds),
-            "slowest_step_seconds": max(seconds), "samples_per_second": len(batch[1]) / median}
+            "samples_per_second": len(batch[1]) / median}
 
 
 def measure_amp(model, batch, criterion, device, precision="bf16", steps=MEMORY_STEPS,
@@ -678,7 +656,8 @@ def amp_report(measured):
                  f", torch {torch.__version__}: {name} steps take {step:.2f}x fp32's time, "
                  f"{memory:.2f}x its activation memory; AMP is {faster} here")
     # One slow step is common on a shared machine; a slow median moves the verdict.
-    spread = max(run["median_step_seconds"] / run["fastest_step_seconds"] for run in (fp32, amp))
+    spread = max(fp32["median_step_seconds"] / fp32["fastest_step_seconds"],
+                 amp["median_step_seconds"] / amp["fastest_step_seconds"])
     if spread > NOISY_SPREAD:
         lines.append(f"warning: noisy timings (the median step took {spread:.1f}x the "
                      "fastest): rerun when nothing else runs")
@@ -693,17 +672,16 @@ def cell(key, value):
 
 def run_memory(args, device, notes):
     """The memory example: --model and a batch of random data, measured by measure_amp: the
-    post's Linear(10, 1) problem, or an image model (see image_classifier), channels_last
-    for oneDNN and cuDNN. Returns 0."""
+    post's Linear(10, 1) problem, or an image model (see image_classifier) in channels_last,
+    the layout oneDNN's and cuDNN's convolutions then use. Returns 0."""
     torch.manual_seed(args.seed)
     model, criterion = nn.Linear(10, 1), nn.MSELoss()
     batch = linear_batch(args.batch_size, args.seed)
     if args.model != "linear":
         model, side = image_classifier(args.model)
         model, criterion = model.to(memory_format=torch.channels_last), nn.CrossEntropyLoss()
-        images = torch.randn(args.batch_size, 3, side, side)
         labels = torch.randint(0, 10, (args.batch_size,))
-        batch = images.contiguous(memory_format=torch.channels_last), labels
+        batch = torch.randn(args.batch_size, 3, side, side), labels
     say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
         f"{args.model} | batch {args.batch_size}", *notes)
     try:
@@ -768,7 +746,7 @@ class RunFolder:
         try:
             # A zip states what it unpacks to; weights_only unpickles no code.
             records = zipfile.ZipFile(io.BytesIO(data)).infolist()
-            if sum(record.file_size for record in records) > MAX_CHECKPOINT_BYTES:
+            if sum(entry.file_size for entry in records) > MAX_CHECKPOINT_BYTES:
                 raise ValueError("it unpacks to too much")
             state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             check_checkpoint(state)
@@ -777,13 +755,15 @@ class RunFolder:
                              f"({type(e).__name__}: {str(e)[:80]})")
         return state
 
-    def save(self, args, metrics, model, optimizer, scaler, checkpoint=True):
+    def save(self, args, metrics, model, scaler, checkpoint=True):
         """Writes the checkpoint of epoch len(metrics), unless not `checkpoint`, then the
-        metrics file, one line an epoch: a resumed run writes it anew from the checkpoint's."""
+        metrics file, one line an epoch: a resumed run writes it anew from the checkpoint's.
+        The post's SGD keeps no state of its own (no momentum): an optimizer that does, as
+        Adam, would add optimizer.state_dict()["state"] here, and restore() would check it
+        against the parameters' shapes."""
         state = {"format": CHECKPOINT_FORMAT, "job": self.job, "epoch": len(metrics),
                  "args": {key: getattr(args, key) for key in RUN_FLAGS},
                  "metrics": metrics, "model": dict(model.state_dict()),
-                 "optimizer": optimizer.state_dict()["state"],
                  "loss_scale": scaler.get_scale(),
                  "growth_tracker": scaler.state_dict().get("_growth_tracker", 0)}
         # Serialized in memory first: a full disk or a signal then meets a plain write.
@@ -885,8 +865,7 @@ def replace_file(path, data):
 def check_checkpoint(state):
     """Raises unless `state` has save()'s layout, with values known to be good. A crafted
     file can nest or reuse an object without end, so only that layout is looked at."""
-    buffers = itertools.chain(*map(dict.values, state["optimizer"].values()))
-    tensors = [*state["model"].values(), *buffers]
+    tensors = list(state["model"].values())
     # Cheap checks first, of the layout as a whole; a field of another type raises.
     layout = [all(type(state[key]) is kind for key, kind in CHECKPOINT_FIELDS.items()),
               state["format"] == CHECKPOINT_FORMAT,
@@ -898,10 +877,11 @@ def check_checkpoint(state):
               # A scale that is finite in float32, and a tracker that lets it grow.
               MIN_LOSS_SCALE <= state["loss_scale"] <= 2.0**127,
               0 <= state["growth_tracker"] < 2000,
-              sum(tensor.numel() for tensor in tensors) <= MAX_CHECKPOINT_BYTES // 4]
+              sum(map(torch.numel, tensors)) <= MAX_CHECKPOINT_BYTES // 4]
     # Then each metrics line and each tensor, once their sizes are known to be bounded.
-    if not all(layout) or not all(map(is_json_line, state["metrics"])) \
-            or not all(map(known_good, tensors)):
+    checks = itertools.chain(layout, map(is_json_line, state["metrics"]),
+                             map(known_good, tensors))
+    if not all(checks):
         raise ValueError("it is damaged, or of another version")
 
 
@@ -913,8 +893,7 @@ def is_json_line(text):
 
 def known_good(tensor):
     """Whether a loaded tensor is a finite float32 one or an int64 one: the model's kinds."""
-    finite = tensor.dtype == torch.float32 and bool(tensor.isfinite().all())
-    return finite or tensor.dtype == torch.int64
+    return tensor.dtype in (torch.float32, torch.int64) and bool(tensor.isfinite().all())
 
 
 def resume_args(argv, state, device):
@@ -940,22 +919,15 @@ def resume_args(argv, state, device):
     return args, notes + [f"resumed from {args.run_dir} after epoch {state['epoch']}"]
 
 
-def restore(state, model, optimizer, scaler):
-    """Loads a checkpoint's weights, optimizer state and loss scale in place, checked
-    against the model; returns its metrics lines ([] for a new run). The hyperparameters
-    are the flags', never the checkpoint's."""
+def restore(state, model, scaler):
+    """Loads a checkpoint's weights and loss scale in place, checked against the model;
+    returns its metrics lines ([] for a new run). The hyperparameters are the flags', never
+    the checkpoint's."""
     if state is None:
         return []
-    params = list(model.parameters())
     try:
         # Another key or shape raises here.
         model.load_state_dict(state["model"])
-        # Optimizer state of another shape would corrupt memory in the fused step.
-        for index, buffers in state["optimizer"].items():
-            if any(t.shape != params[index].shape for t in buffers.values()):
-                raise ValueError(f"optimizer state that does not fit parameter {index}")
-        groups = optimizer.state_dict()["param_groups"]
-        optimizer.load_state_dict({"state": state["optimizer"], "param_groups": groups})
     except Exception as e:
         raise UsageError(f"the checkpoint does not fit ({' '.join(str(e).split())})")
     # A disabled scaler takes no state: its scale stays 1.
@@ -970,21 +942,19 @@ def open_run_folder(args, job):
     or None). The other processes save nothing: theirs is a NoFolder."""
     if args.run_dir is None:
         return NoFolder(), None
-    folder, found = NoFolder(f"process 0 saves {args.run_dir}"), None
+    folder, found = NoFolder(f"process 0 saves {args.run_dir}"), [None]
     if rank() == 0:
         try:
             folder = RunFolder(args.run_dir, args.resume, job)
-            found = folder.state
+            found = [folder.state]
         except UsageError as e:
-            found = e
+            found = [e]
     # Every process goes on from rank 0's checkpoint, or stops with its error.
-    shared = [found]
     if dist.is_initialized():
-        dist.broadcast_object_list(shared, src=0)
-    found = shared[0]
-    if isinstance(found, UsageError):
-        raise found
-    return folder, found
+        dist.broadcast_object_list(found, src=0)
+    if isinstance(found[0], UsageError):
+        raise found[0]
+    return folder, found[0]
 
 
 # ---------- torchrun's processes
@@ -1013,7 +983,7 @@ def join_processes(device):
     except Exception as e:
         # A port in use, a peer that never came: torch names the cause.
         cause = str(e).splitlines()[0]
-        raise UsageError(f"the processes could not meet ({cause})", 3, every_process=True)
+        raise UsageError(f"the processes could not meet ({cause})", 3, True)
     # The rendezvous id: a uuid with --standalone, the job's --rdzv-id across machines. A
     # static rendezvous has "none", but keeps its store for every round: the first process
     # leaves a name there.
@@ -1030,14 +1000,6 @@ def join_processes(device):
     dist.init_process_group(backend, store=store, rank=process_rank, world_size=processes,
                             timeout=DIST_TIMEOUT, device_id=device_id)
     return job
-
-
-def leave_processes():
-    """Leaves the process group, if any, at the very end."""
-    if dist.is_initialized():
-        # DDP's reference cycles keep the group alive, and gloo aborts if they outlive it.
-        gc.collect()
-        dist.destroy_process_group()
 
 
 # ---------- errors and signals
@@ -1147,7 +1109,7 @@ def make_parser():
         "(default: auto)")
     add("--epochs", type=count, default=EPOCHS, help="linear's are steps (default: 100)")
     add("--batch-size", type=count, default=BATCH_SIZE,
-        help="each process's; linear's is shared out (default: 128)")
+        help="each process's (default: 128)")
     add("--lr", type=number(float, math.ulp(0.0), largest), default=LR,
         help="SGD's; resnet's falls tenfold every 10 epochs (default: 0.01)")
     add("--data", choices=["cifar10", "synthetic"], default="cifar10",
@@ -1191,21 +1153,24 @@ def main(argv):
         if dist.is_initialized():
             dist.barrier()
     except Stopped as e:
-        status = 128 + e.args[0]
-        error = UsageError(f"stopped by {signal.Signals(e.args[0]).name}; {folder.holds()}")
+        name = signal.Signals(e.args[0]).name
+        error = UsageError(f"stopped by {name}; {folder.holds()}", 128 + e.args[0])
     except UsageError as e:
-        status, error = e.status, e
+        error = e
     except RuntimeError as e:
         error = as_error(e, folder)
-        status = error.status
     # The outcome is known. Under __main__'s handler a signal from here on (torchrun stops
     # the survivors of a dead peer) changes nothing: the last line and the cleanup run whole.
     if signal.getsignal(signal.SIGTERM) is stop:
         ignore_signals()
     if error is not None:
         say(f"error: {error}", file=sys.stderr, every_process=error.every_process)
+        status = error.status
     folder.close()
-    leave_processes()
+    if dist.is_initialized():
+        # DDP's reference cycles keep the group alive, and gloo aborts if they outlive it.
+        gc.collect()
+        dist.destroy_process_group()
     return status
 
 
@@ -1213,7 +1178,5 @@ if __name__ == "__main__":
     # Ctrl-C and SIGTERM end a run in one line that names what its folder holds.
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    status = main(sys.argv[1:])
-    # The run is over: torch's teardown takes a while, and a signal now changes nothing.
-    ignore_signals()
-    sys.exit(status)
+    # main() ignores later signals itself: torch's teardown takes a while, after the run.
+    sys.exit(main(sys.argv[1:]))

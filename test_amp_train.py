@@ -522,8 +522,7 @@ def test_cpu_bf16_reads_what_proc_cpuinfo_lists():
     ("none", "fp32", "resnet", "fp32", None), ("none", "fp32", "memory", "fp32", None),
     ("AVX512-BF16", "auto", "resnet", "bf16", None), ("AMX", "auto", "linear", "bf16", None),
     ("AMX", "bf16", "memory", "bf16", None),
-    ("AMX", "fp16", "resnet", "fp16", "warning: fp16 is very slow on CPUs"),
-    ("none", "fp16", "memory", "fp16", "warning: fp16 is very slow on CPUs")])
+    ("AMX", "fp16", "resnet", "fp16", None), ("none", "fp16", "memory", "fp16", None)])
 def test_auto_precision_and_the_note_that_says_what_it_costs(bf16, name, example, precision,
                                                             note, monkeypatch):
     fake_cpu(monkeypatch, bf16)
@@ -697,10 +696,11 @@ def test_training_shares_are_as_many_whole_batches_for_every_process(monkeypatch
     assert len(seen) == len(set(seen)), f"a sample went to two processes: {shares}"
 
 
-def test_test_shares_hold_every_sample_once(monkeypatch):
+def test_every_process_tests_every_sample_once(monkeypatch):
     shares = loaded(23, 4, 0, 3, monkeypatch)
-    assert [len(batches) for batches, _ in shares] == [length for _, length in shares]
-    assert sorted(i for batches, _ in shares for batch in batches for i in batch) == list(range(23))
+    assert all(sorted(i for batch in batches for i in batch) == list(range(23))
+               for batches, _ in shares), shares
+    assert [len(batches) for batches, _ in shares] == [length for _, length in shares] == [6] * 3
 
 
 def test_the_training_order_is_drawn_from_the_seed_and_the_epoch(monkeypatch):
@@ -713,13 +713,6 @@ def test_the_training_order_is_drawn_from_the_seed_and_the_epoch(monkeypatch):
 def test_max_batches_cuts_an_epoch_short(monkeypatch):
     assert loaded(32, 4, monkeypatch=monkeypatch, shuffle=True, max_batches=3)[0][1] == 3
     assert len(loaded(32, 4, monkeypatch=monkeypatch, max_batches=2)[0][0]) == 2
-
-
-def test_a_linear_batch_that_does_not_share_out_evenly_is_refused(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    args = amp_train.parse_args(LINEAR + ["--batch-size", "5"])
-    with pytest.raises(amp_train.UsageError, match="does not share out evenly among 2"):
-        amp_train.build_example(args, CPU)
 
 
 def test_a_batch_larger_than_a_processs_training_images_is_refused(monkeypatch):
@@ -1021,8 +1014,7 @@ def test_bf16_saves_half_the_activations_of_fp32():
                                              dtype, 3, "test", print) for dtype in (None, BF16))
     assert bf16["activation_bytes"] / fp32["activation_bytes"] < 0.6, (bf16, fp32)
     assert fp32["weight_copy_bytes"] == 0 < bf16["weight_copy_bytes"] and "peak_bytes" not in bf16
-    assert 0 < bf16["fastest_step_seconds"] <= bf16["median_step_seconds"] <= bf16[
-        "slowest_step_seconds"]
+    assert 0 < bf16["fastest_step_seconds"] <= bf16["median_step_seconds"]
     assert bf16["samples_per_second"] == pytest.approx(8 / bf16["median_step_seconds"])
 
 
@@ -1063,7 +1055,7 @@ def test_the_memory_example_prints_its_header_table_and_verdict(capsys):
     for row in (r" +fp32 +bf16 +bf16/fp32", r"activation_bytes +[\d.]+ MiB +[\d.]+ MiB +0\.\d\d",
                 r"weight_copy_bytes +0\.00 MiB +[\d.]+ MiB +n/a",
                 r"samples_per_second +[\d.]+ /s +[\d.]+ /s +[\d.]+",
-                r"slowest_step_seconds +[\d.]+ ms +[\d.]+ ms +[\d.]+",
+                r"fastest_step_seconds +[\d.]+ ms +[\d.]+ ms +[\d.]+",
                 r"verdict: linear, batch 128, cpu \(bf16: .*\), torch .*: bf16 steps take "
                 r"[\d.]+x fp32's time, 0\.\d\dx its activation memory; AMP is (not )?faster here"):
         assert re.search(f"^{row}$", out, re.M), (row, out)
@@ -1075,7 +1067,7 @@ def test_the_memory_example_prints_its_header_table_and_verdict(capsys):
 def test_the_verdict_and_a_warning_when_the_median_step_is_far_from_the_fastest(fp32, amp, noisy,
                                                                               verdict):
     fp32, amp = ({"activation_bytes": 1, "median_step_seconds": median,
-                  "fastest_step_seconds": low, "slowest_step_seconds": 9}
+                  "fastest_step_seconds": low}
                  for low, median in (fp32, amp))
     lines = amp_train.amp_report({"name": "m", "batch": 1, "device": "cpu", "precision": "bf16",
                                   "fp32": fp32, "bf16": amp})
@@ -1142,7 +1134,7 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(example, epoch
     assert f"resumed from {b} after epoch {split}" in capsys.readouterr().out
     a_state, b_state = load(a / "checkpoint.pt"), load(b / "checkpoint.pt")
     assert a_state["loss_scale"] == (1024.0 if example is LINEAR_FP16 else 1.0), a_state
-    for key in ("epoch", "optimizer", "loss_scale", "growth_tracker"):
+    for key in ("epoch", "loss_scale", "growth_tracker"):
         assert a_state[key] == b_state[key], key
     assert all(torch.equal(a_state["model"][k], b_state["model"][k]) for k in a_state["model"])
     assert untimed(a / "metrics.jsonl") == untimed(b / "metrics.jsonl")
@@ -1248,10 +1240,7 @@ BAD_FIELDS = [
     ({"model/weight": torch.zeros(1, 10, dtype=torch.float64)}, "damaged"),
     ({"model/weight": torch.zeros(1, 10, dtype=torch.complex64)}, "damaged"),
     ({"model": dict.fromkeys(map(str, range(99)), torch.zeros(10**4))}, "damaged"),
-    # Momentum of 3 for a weight of 10: loading it once corrupted memory (SIGABRT).
-    ({"optimizer": {0: {"momentum_buffer": torch.zeros(3)}}}, "does not fit"),
-    ({"optimizer": {0: "x"}}, "TypeError"),
-    ({"optimizer": {"a": {"momentum_buffer": torch.zeros(1)}}}, "does not fit")]
+    ({"model": {"weight": torch.zeros(1, 10), 3: torch.zeros(1)}}, "does not fit")]
 
 
 @pytest.mark.parametrize("edits,says", BAD_FIELDS,
@@ -1569,9 +1558,9 @@ def test_two_processes_train_alike_and_rank_0_alone_prints(tmp_path):
 
 
 def test_a_mistake_every_process_finds_is_said_once(tmp_path):
-    rank0, rank1 = run_two_processes(LINEAR + ["--batch-size", "127"], tmp_path)
+    rank0, rank1 = run_two_processes(RESNET + ["--batch-size", "300"], tmp_path)
     assert rank0["code"] == rank1["code"] == 2, (rank0, rank1)
-    assert rank0["err"].count("\n") == 1 and "does not share out evenly" in rank0["err"]
+    assert rank0["err"].count("\n") == 1 and "more than each process's 128" in rank0["err"]
     assert rank1["out"] == rank1["err"] == "", "rank 1 said it again"
 
 
