@@ -1336,13 +1336,17 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_writes_nothing(tmp_pa
     before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     # The lock a live run holds: flock on the folder.
     live = os.open(tmp_path, os.O_RDONLY)
+    descriptors = len(os.listdir("/proc/self/fd"))
     try:
         fcntl.flock(live, fcntl.LOCK_EX)
         for argv in ([], ["--resume"]):
             assert "another run is using" in run_bad(run + ["--epochs", "3"] + argv, capsys)
     finally:
         os.close(live)
+    assert len(os.listdir("/proc/self/fd")) == descriptors - 1, "a refused run kept its lock's"
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before, "it wrote"
+    # The refused runs let the folder go: once the live run is gone, the next one may take it.
+    ok(run + ["--epochs", "3", "--resume"])
 
 
 def test_a_new_run_never_overwrites_a_checkpoint(tmp_path, capsys):
@@ -1753,6 +1757,18 @@ def test_out_of_memory_ends_in_one_line_that_says_lower_the_batch(error, monkeyp
         raise error
     monkeypatch.setattr(amp_train, "build_example", build)
     assert "lower --batch-size" in run_bad(LINEAR, capsys)
+
+
+def test_under_torchrun_a_process_says_its_own_out_of_memory_but_not_a_shared_mistake(
+        monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+
+    def build(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(amp_train, "build_example", build)
+    assert "lower --batch-size" in run_bad(LINEAR, capsys)
+    assert amp_train.main(LINEAR + ["--batch-size", "0"]) == 2
+    assert capsys.readouterr().err == "", "rank 1 said what rank 0 says"
 
 
 @pytest.mark.parametrize("error", [ZeroDivisionError, KeyboardInterrupt, RuntimeError])
