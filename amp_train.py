@@ -477,7 +477,8 @@ def train_example(args, device, folder, state, notes):
 
 def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_loader,
               test_loader, device):
-    """Trains and tests one epoch; returns its record, summed over all processes."""
+    """Trains and tests one epoch; returns its record, whose train loss is the mean over
+    every process's samples."""
     amp_dtype = PRECISIONS[args.precision]
     # The order, crops and flips come from (seed, epoch): a resumed run sees the same.
     train_loader.epoch = epoch
@@ -1005,10 +1006,11 @@ def join_processes(device):
 # ---------- errors and signals
 
 class UsageError(Exception):
-    """A mistake the user can fix: one line that says what to do, and an exit status: 2, or
-    3 where the processes failed to meet or to work on together. A mistake that every
-    process finds alike is said by rank 0 alone under torchrun; one that a process met on
-    its own side (a failed process group, running out of memory), by every_process."""
+    """What ends a run in one line that says what to do, with its exit status: 2 for a
+    mistake the user can fix, 3 where the processes failed to meet or to work on together,
+    128 + the signal's number for a stop. What every process finds alike is said by rank 0
+    alone under torchrun; what a process met on its own side (a failed process group,
+    running out of memory) by every process (every_process)."""
 
     def __init__(self, message, status=2, every_process=False):
         super().__init__(message)
