@@ -487,16 +487,14 @@ def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_l
     stats = train_epoch(trained, batches, optimizer, criterion, scaler, device, amp_dtype,
                         clip_grad_norm=args.clip_grad_norm or None, accum_steps=args.accum_steps)
     seconds = time.perf_counter() - start
-    # Each process's BatchNorm statistics are its own: all test the whole test set with
-    # rank 0's, and agree.
-    if world_size() > 1:
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-    tested = evaluate(model, test_loader, criterion, device, amp_dtype)
-    # The mean train loss over every process's samples.
+    # The mean train loss over every process's samples. Each process's BatchNorm statistics
+    # are its own: all test the whole test set with rank 0's, and agree.
     sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"]], device=device)
     if dist.is_initialized():
         dist.all_reduce(sums)
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+    tested = evaluate(model, test_loader, criterion, device, amp_dtype)
     loss_sum, samples = sums.tolist()
     record = {"precision": args.precision, "epoch": epoch + 1, "train_loss": loss_sum / samples}
     if args.example == "resnet":
@@ -509,10 +507,16 @@ def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_l
 
 
 def progress(items, label, log):
-    """Yields `items`. Every PROGRESS_SECONDS it logs how many of them are done and the time
-    each took so far: a slow run shows that it is alive, and how long it will take."""
+    """Yields `items`, unless SIGINT or SIGTERM came (see stop). Every PROGRESS_SECONDS it
+    logs how many of them are done and the time each took so far: a slow run shows that it
+    is alive, and how long it will take."""
     start = last = time.perf_counter()
     for done, item in enumerate(items, 1):
+        # Code that a signal interrupts may swallow its Stopped: pybind11 turns it into an
+        # ImportError in triton's import, which torch takes for "no triton here". Since later
+        # signals are ignored, each step raises it again.
+        if Stopped.signum is not None:
+            raise Stopped(Stopped.signum)
         yield item
         now = time.perf_counter()
         if now - last >= PROGRESS_SECONDS:
@@ -1018,14 +1022,20 @@ class UsageError(Exception):
 
 
 class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM, under __main__'s handler."""
+    """SIGINT or SIGTERM (a signal.Signals, its args[0]), under __main__'s handler."""
+    # The signal that came, if one did: see progress().
+    signum = None
 
 
 def stop(signum, frame):
     """__main__'s handler of SIGINT and SIGTERM: ends the run in one line. Later signals are
     ignored, so that they cannot cut the last line or the cleanup short."""
     ignore_signals()
-    raise Stopped(signum)
+    Stopped.signum = signal.Signals(signum)
+    # Raised in importlib's own code, Stopped would be printed and dropped (torch's first
+    # zero_grad() imports triton, for seconds): progress() raises it at the next step instead.
+    if "importlib" not in frame.f_code.co_filename:
+        raise Stopped(Stopped.signum)
 
 
 def ignore_signals():
@@ -1046,8 +1056,13 @@ def say(*lines, file=None, every_process=False):
 
 
 def as_error(error, folder):
-    """torch's RuntimeError as one of ours: out of memory (exit 2), or a failed process
-    group (exit 3; gloo's are plain RuntimeErrors). Anything else is a bug: re-raised."""
+    """What ended a run as one UsageError: a stop (exit 128 + the signal's number), or
+    torch's RuntimeError: out of memory (exit 2), or a failed process group (exit 3; gloo's
+    are plain RuntimeErrors). Any other RuntimeError is a bug: re-raised."""
+    if isinstance(error, UsageError):
+        return error
+    if isinstance(error, Stopped):
+        return UsageError(f"stopped by {error.args[0].name}; {folder.holds()}", 128 + error.args[0])
     # CUDA's "out of memory. Tried to allocate", the CPU's "can't allocate memory".
     if "allocate" in str(error):
         return UsageError("out of memory: lower --batch-size", every_process=True)
@@ -1100,39 +1115,38 @@ def make_parser():
     count, limit = number(int, 1, 2**31 - 1), number(int, 0, 2**31 - 1)
     largest = torch.finfo(torch.float32).max
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    add = p.add_argument
-    add("--example", choices=["resnet", "linear", "memory"], default="resnet",
+
+    def add(flag, default, help, **options):
+        # Each help ends with the default that the flag truly has.
+        p.add_argument(flag, default=default, help=f"{help} (default: {default})", **options)
+    add("--example", "resnet", choices=["resnet", "linear", "memory"],
         help="resnet: ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); memory: fp32 "
-        "and AMP side by side (default: resnet)")
-    add("--device", choices=["auto", "cpu", "cuda"], default="auto",
-        help="auto: cuda if a GPU is visible (default: auto)")
-    add("--precision", choices=["auto", *PRECISIONS], default="auto",
-        help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, else fp32 "
-        "(default: auto)")
-    add("--epochs", type=count, default=EPOCHS, help="linear's are steps (default: 100)")
-    add("--batch-size", type=count, default=BATCH_SIZE,
-        help="each process's (default: 128)")
-    add("--lr", type=number(float, math.ulp(0.0), largest), default=LR,
-        help="SGD's; resnet's falls tenfold every 10 epochs (default: 0.01)")
-    add("--data", choices=["cifar10", "synthetic"], default="cifar10",
-        help="synthetic: 10,000 learnable images, made offline (default: cifar10)")
-    add("--data-root", default="./data", help="CIFAR-10's folder (default: ./data)")
-    add("--max-steps", type=limit, default=0,
-        help="steps an epoch, and test batches; 0: off (default: 0)")
-    add("--clip-grad-norm", type=number(float, 0.0, largest), default=0.0,
-        help="the gradients' largest norm; 0: off (default: 0)")
-    add("--accum-steps", type=count, default=1, help="micro-batches a step (default: 1)")
-    add("--run-dir", metavar="DIR",
-        help="save DIR/checkpoint.pt and DIR/metrics.jsonl each epoch (default: none)")
-    add("--resume", action="store_true",
-        help="go on with --run-dir's run, with its flags unless given again")
-    add("--model", default="resnet18",
+        "and AMP side by side")
+    add("--device", "auto", choices=["auto", "cpu", "cuda"],
+        help="auto: cuda if a GPU is visible")
+    add("--precision", "auto", choices=["auto", *PRECISIONS],
+        help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, else fp32")
+    add("--epochs", EPOCHS, type=count, help="linear's are steps")
+    add("--batch-size", BATCH_SIZE, type=count, help="each process's")
+    add("--lr", LR, type=number(float, math.ulp(0.0), largest),
+        help="SGD's; resnet's falls tenfold every 10 epochs")
+    add("--data", "cifar10", choices=["cifar10", "synthetic"],
+        help="synthetic: 10,000 learnable images, made offline")
+    add("--data-root", "./data", help="CIFAR-10's folder")
+    add("--max-steps", 0, type=limit, help="steps an epoch, and test batches; 0: off")
+    add("--clip-grad-norm", 0.0, type=number(float, 0.0, largest),
+        help="the gradients' largest norm; 0: off")
+    add("--accum-steps", 1, type=count, help="micro-batches a step")
+    p.add_argument("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and "
+                   "DIR/metrics.jsonl each epoch (default: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with --run-dir's run, with its flags unless given again")
+    add("--model", "resnet18",
         help="memory's: resnet18 (CIFAR stem), resnet18-imagenet (the post's), linear, or a "
-        "torchvision.models.list_models() name (default: resnet18)")
-    add("--steps", type=count, default=MEMORY_STEPS,
-        help="memory's timed steps, after 3 warm-up steps (default: 20)")
-    add("--seed", type=number(int, 0, 2**32 - 1), default=0,
-        help="seeds the weights, the data and its order (default: 0)")
+        "torchvision.models.list_models() name")
+    add("--steps", MEMORY_STEPS, type=count, help="memory's timed steps, after 3 warm-up steps")
+    add("--seed", 0, type=number(int, 0, 2**32 - 1),
+        help="seeds the weights, the data and its order")
     return p
 
 
@@ -1154,18 +1168,15 @@ def main(argv):
         # Every process ends its last collective before any leaves the group.
         if dist.is_initialized():
             dist.barrier()
-    except Stopped as e:
-        name = signal.Signals(e.args[0]).name
-        error = UsageError(f"stopped by {name}; {folder.holds()}", 128 + e.args[0])
-    except UsageError as e:
+    except (Stopped, UsageError, RuntimeError) as e:
         error = e
-    except RuntimeError as e:
-        error = as_error(e, folder)
     # The outcome is known. Under __main__'s handler a signal from here on (torchrun stops
-    # the survivors of a dead peer) changes nothing: the last line and the cleanup run whole.
+    # the survivors of a dead peer) changes nothing: the last line, which reads the folder,
+    # and the cleanup run whole.
     if signal.getsignal(signal.SIGTERM) is stop:
         ignore_signals()
     if error is not None:
+        error = as_error(error, folder)
         say(f"error: {error}", file=sys.stderr, every_process=error.every_process)
         status = error.status
     folder.close()
