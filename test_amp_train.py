@@ -1517,18 +1517,24 @@ def ddp_worker(rank, argv, out_dir, port):
     amp_train.resnet18 = small_model
     amp_train.synthetic_cifar10 = lambda size, seed, train=True: cached_synthetic_cifar10(
         min(size, 256), seed, train)
-    built, build_example = [], amp_train.build_example
-
-    def building(*args, **kwargs):
-        built.append(build_example(*args, **kwargs))
-        return built[-1]
-    amp_train.build_example = building
+    built, trained = recording("build_example"), recording("train_epoch")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = amp_train.main(argv)
     torch.save({"code": code, "left": not torch.distributed.is_initialized(),
-                "out": out.getvalue(), "err": err.getvalue(),
+                "out": out.getvalue(), "err": err.getvalue(), "trained": trained,
                 "state": built[0][0].state_dict() if built else {}}, out_dir / f"rank{rank}.pt")
+
+
+def recording(name):
+    """Wraps amp_train's function `name`; returns the list of what its calls return."""
+    results, real = [], getattr(amp_train, name)
+
+    def wrapper(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+    setattr(amp_train, name, wrapper)
+    return results
 
 
 def run_two_processes(argv, out_dir):
@@ -1540,13 +1546,20 @@ def run_two_processes(argv, out_dir):
 
 
 def test_two_processes_train_alike_and_rank_0_alone_prints(tmp_path):
-    rank0, rank1 = run_two_processes(RESNET + ["--epochs", "2", "--max-steps", "1"], tmp_path)
+    run = RESNET + ["--epochs", "2", "--max-steps", "1", "--run-dir", str(tmp_path / "run")]
+    rank0, rank1 = run_two_processes(run, tmp_path)
     assert rank0["code"] == rank1["code"] == 0 and rank0["left"] and rank1["left"], rank0["err"]
     assert rank1["out"] == rank1["err"] == "", "rank 1 printed"
     assert "| processes 2 |" in rank0["out"] and "epoch 2/2" in rank0["out"], rank0["out"]
     # The weights, and the BatchNorm statistics that all test with.
     for name, tensor in rank0["state"].items():
         assert torch.equal(tensor, rank1["state"][name]), f"{name} differs between ranks"
+    # Each epoch's train loss is the mean over both processes' samples, each on its own share.
+    for epoch, record in enumerate(read_metrics(tmp_path / "run" / "metrics.jsonl")):
+        own = [rank["trained"][epoch] for rank in (rank0, rank1)]
+        mean = sum(s["loss"] * s["samples"] for s in own) / sum(s["samples"] for s in own)
+        assert own[0]["loss"] != pytest.approx(own[1]["loss"]), own
+        assert record["train_loss"] == pytest.approx(mean), (record, own)
 
 
 def test_a_mistake_every_process_finds_is_said_once(tmp_path):
