@@ -15,7 +15,6 @@ processes, errors and signals. A reader who came for AMP can stop where Part II 
 import argparse
 import contextlib
 import copy
-import datetime
 import fcntl
 import gc
 import io
@@ -23,12 +22,9 @@ import itertools
 import json
 import math
 import os
-import signal
-import stat
 import statistics
 import sys
 import time
-import zipfile
 
 import torch
 import torch.distributed as dist
@@ -65,23 +61,18 @@ TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
 # A long epoch or measurement says how far it got this often, in seconds.
 PROGRESS_SECONDS = 15
 
-# Part II's: the flags a run keeps (a resumed run goes on with them unless given again), the
-# checkpoint's layout, and the bounds that a checkpoint, which is untrusted input, must keep.
-RUN_FLAGS = ("epochs", "example", "precision", "batch_size", "lr", "data", "max_steps",
-             "clip_grad_norm", "accum_steps", "seed")
-CHECKPOINT_FORMAT = "amp_train checkpoint 6"
-CHECKPOINT_FIELDS = {"format": str, "job": str, "epoch": int, "args": dict, "metrics": list,
-                     "model": dict, "loss_scale": float, "growth_tracker": int}
-# ResNet18's checkpoint takes 45 MB.
-MAX_CHECKPOINT_BYTES = 2**30
-# fp16 cannot go on once its loss scale falls 32 halvings under 2**16: the gradients
-# overflow however small the loss is made.
+# Part II's: the flags that mean something to some examples only (any other refuses them),
+# and those a training run keeps in its checkpoint, which a resumed run goes on with.
+EXAMPLES = ("resnet", "linear", "memory")
+TRAINING = ("resnet", "linear")
+FLAG_EXAMPLES = {"epochs": TRAINING, "lr": TRAINING, "clip_grad_norm": TRAINING,
+                 "accum_steps": TRAINING, "run_dir": TRAINING, "resume": TRAINING,
+                 "data": ("resnet",), "data_root": ("resnet",), "max_steps": ("resnet",),
+                 "model": ("memory",), "steps": ("memory",)}
+RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip_grad_norm",
+             "accum_steps", "data", "max_steps")
+# fp16 cannot go on once its loss scale falls 32 halvings under 2**16: see epoch_problem.
 MIN_LOSS_SCALE = 2.0**-16
-# How long a process waits for the others: NCCL's default.
-DIST_TIMEOUT = datetime.timedelta(minutes=10)
-# Characters that would break a line in two or drive a terminal, printed as escapes.
-CONTROL_CHARACTERS = {code: f"\\x{code:02x}" for code in [*range(32), 127]}
-
 
 # ====================================================================================
 # Part I: the AMP lesson
@@ -430,27 +421,31 @@ def build_example(args, device):
 def train_example(args, device, folder, state, notes):
     """The resnet and linear examples, as imagenet's main_worker: build the model, then
     train, test, print and save each epoch. folder saves the run (see RunFolder; a NoFolder
-    saves nothing), and state is the checkpoint to go on from. Returns 0, or 1 if training
-    diverged."""
+    saves nothing), and state is the checkpoint to go on from, or None. Returns 0, or 1 if
+    training cannot go on."""
     torch.manual_seed(args.seed)
     model, criterion, train_loader, test_loader = build_example(args, device)
     optimizer = make_optimizer(model, args.lr)
     scaler = SkipCountingScaler(device.type, enabled=args.precision == "fp16")
-    metrics = restore(state, model, scaler)
-    first_epoch, gamma = len(metrics), LR_GAMMA[args.example]
+    gamma = LR_GAMMA[args.example]
     # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr
-    # from --lr and the epoch, where StepLR multiplies the last one: so a resumed run gets
-    # the lr that the uninterrupted run had.
+    # from --lr and the epoch, where StepLR multiplies the last one: so a resumed run that
+    # is given another --lr goes on along the schedule.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda epoch: gamma ** ((first_epoch + epoch) // LR_STEP_EPOCHS))
-    # The linear example trains on its one batch, whatever --data says.
+        optimizer, lambda epoch: gamma ** (epoch // LR_STEP_EPOCHS))
+    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+    metrics = []
+    if state is not None:
+        metrics = restore(state, parts, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
+    # The linear example trains on its one batch, and keeps only the flags that it uses.
     data = {"linear": "one batch"}.get(args.example, args.data)
+    flags = {key: getattr(args, key) for key in RUN_FLAGS if applies(key, args.example)}
     say(f"amp_train | example {args.example} | torch {torch.__version__} | device "
         f"{device_label(device)} | precision {args.precision} | data {data} | batch "
         f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
         f"{args.epochs}", *notes)
-    if first_epoch >= args.epochs:
-        say(f"nothing to do: the checkpoint has {first_epoch} epochs")
+    if len(metrics) >= args.epochs:
+        say(f"nothing to do: the checkpoint has {len(metrics)} epochs")
         return 0
     # DDP averages the gradients in backward, so every process's scaler sees the same ones
     # and skips the same steps.
@@ -458,19 +453,18 @@ def train_example(args, device, folder, state, notes):
     if world_size() > 1:
         trained = nn.parallel.DistributedDataParallel(model)
     # Saved before the first epoch: every write is tried before anything is trained.
-    folder.save(args, metrics, model, scaler)
-    for epoch in range(first_epoch, args.epochs):
+    folder.save(parts, flags, metrics)
+    for epoch in range(len(metrics), args.epochs):
         record = run_epoch(args, epoch, trained, model, criterion, optimizer, scaler,
                            train_loader, test_loader, device)
         scheduler.step()
         say(epoch_line(record, args.epochs))
         metrics.append(json_line(record))
-        problem = epoch_problem(record, model)
+        problem = epoch_problem(record, model, scaler)
         # The checkpoint keeps the last sound epoch; the metrics show this one too.
-        folder.save(args, metrics, model, scaler, checkpoint=problem is None)
+        folder.save(parts, flags, metrics, checkpoint=problem is None)
         if problem is not None:
-            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds()}; lower --lr",
-                file=sys.stderr)
+            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds()}", file=sys.stderr)
             return 1
     return 0
 
@@ -507,16 +501,10 @@ def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_l
 
 
 def progress(items, label, log):
-    """Yields `items`, unless SIGINT or SIGTERM came (see stop). Every PROGRESS_SECONDS it
-    logs how many of them are done and the time each took so far: a slow run shows that it
-    is alive, and how long it will take."""
+    """Yields `items`. Every PROGRESS_SECONDS it logs how many of them are done and the
+    time each took so far: a slow run shows that it is alive, and how long it will take."""
     start = last = time.perf_counter()
     for done, item in enumerate(items, 1):
-        # Code that a signal interrupts may swallow its Stopped: pybind11 turns it into an
-        # ImportError in triton's import, which torch takes for "no triton here". Since later
-        # signals are ignored, each step raises it again.
-        if Stopped.signum is not None:
-            raise Stopped(Stopped.signum)
         yield item
         now = time.perf_counter()
         if now - last >= PROGRESS_SECONDS:
@@ -531,17 +519,24 @@ def json_line(record):
     return text.replace("Infinity", "null").replace("NaN", "null") + "\n"
 
 
-def epoch_problem(record, model):
-    """Why training cannot go on after this epoch, or None. An inf/NaN loss alone is no
-    reason: in fp16 the scaler skipped that step, and the weights are sound."""
+def epoch_problem(record, model, scaler):
+    """Why training cannot go on after this epoch, and what to try; or None."""
     tensors = model.state_dict()
     # One host sync for all the model's tensors.
     finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()
     # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
     if not all(finite):
-        return f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN"
+        return (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
+                "or look for inf/NaN in the data")
+    # Without a scaler (bf16, fp32) no step was skipped: an inf/NaN loss went into the weights.
+    if not scaler.is_enabled() and not math.isfinite(record["train_loss"]):
+        return "the train loss is inf/NaN: training diverged; lower --lr"
+    # In fp16 the scaler skipped the steps whose gradients held inf/NaN, and halved its
+    # scale each time. Far under 1, no scale makes them finite: the inf/NaN comes from the
+    # forward pass, or from the data.
     if record["loss_scale"] < MIN_LOSS_SCALE:
-        return f"the loss scale fell to {record['loss_scale']:g}: inf/NaN gradients"
+        return (f"the loss scale fell to {record['loss_scale']:g}: fp16 overflows in the "
+                "forward pass, or the data holds inf/NaN; try --precision bf16")
     return None
 
 
@@ -710,86 +705,62 @@ class RunFolder:
 
     One run owns the folder: it holds a lock on the folder itself, which the kernel frees
     when the process dies. Every write is whole (a fresh file, flushed to the disk, renamed
-    over the old one), so that kill -9 at any moment leaves the last checkpoint. Every read
-    is of a regular file, and the checkpoint is untrusted input: bounded in size, unpickled
-    with weights_only, checked against save()'s layout. A run without --resume never
-    overwrites a checkpoint, but for a torchrun restart of the job that wrote it.
+    over the old one), so that kill -9 or a full disk at any moment leaves the last
+    checkpoint. A run without --resume never overwrites a checkpoint, but for a torchrun
+    restart of the launch that wrote it. The checkpoint is the standard one, as the AMP
+    recipe and torchvision's reference scripts save it: the state dicts of the model, the
+    optimizer, the GradScaler and the lr scheduler, beside the epoch, the flags and the
+    metrics lines; torch.load(path, weights_only=True) reads it anywhere.
     """
 
     def __init__(self, path, resume, job):
-        self.path, self.job = path, job
+        self.path, self.job, self.epoch, self.state = path, job, None, None
         self.checkpoint = os.path.join(path, "checkpoint.pt")
         self.metrics = os.path.join(path, "metrics.jsonl")
         self.lock = lock_folder(path, resume)
         # A folder that cannot be used is let go at once.
         try:
-            self.state = self.state_to_resume(resume)
+            self.load(resume)
         except BaseException:
             self.close()
             raise
 
-    def state_to_resume(self, resume):
-        """The checkpoint this run goes on from, or None for a new run."""
-        state = self.load()
-        if state is None:
-            if resume:
-                raise UsageError(f"no checkpoint in {self.path}: run without --resume")
-            # Metrics without a checkpoint, someone's or a lost run's, are not overwritten.
-            if read_file(self.metrics) is not None:
-                raise UsageError(f"{self.path} holds metrics, no checkpoint: delete "
-                                 f"{self.metrics}")
-        # A torchrun restart goes on from its own job's checkpoint without --resume.
-        elif not resume and state["job"] != self.job:
-            raise UsageError(f"{self.path} holds a checkpoint: add --resume")
-        return state
+    def load(self, resume):
+        """Reads the checkpoint this run goes on from, if there is one and it may."""
+        if os.path.exists(self.checkpoint):
+            # weights_only unpickles tensors and plain containers, never code.
+            with checkpoint_at(self.checkpoint):
+                self.state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+                self.epoch, own = self.state["epoch"], self.state["job"] == self.job
+            # A torchrun restart goes on from its own launch's checkpoint without --resume.
+            if not resume and not own:
+                raise UsageError(f"{self.path} holds a checkpoint: add --resume, or use "
+                                 "another --run-dir")
+        elif resume:
+            raise UsageError(f"nothing to resume in {self.path}: run without --resume")
 
-    def load(self):
-        """The folder's checkpoint, checked, or None; a damaged or foreign one is refused."""
-        data = read_file(self.checkpoint)
-        if data is None:
-            return None
-        try:
-            # A zip states what it unpacks to; weights_only unpickles no code.
-            records = zipfile.ZipFile(io.BytesIO(data)).infolist()
-            if sum(entry.file_size for entry in records) > MAX_CHECKPOINT_BYTES:
-                raise ValueError("it unpacks to too much")
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            check_checkpoint(state)
-        except Exception as e:
-            raise UsageError(f"{self.checkpoint} is not a checkpoint of this amp_train.py "
-                             f"({type(e).__name__}: {str(e)[:80]})")
-        return state
-
-    def save(self, args, metrics, model, scaler, checkpoint=True):
+    def save(self, parts, flags, metrics, checkpoint=True):
         """Writes the checkpoint of epoch len(metrics), unless not `checkpoint`, then the
-        metrics file, one line an epoch: a resumed run writes it anew from the checkpoint's.
-        The post's SGD keeps no state of its own (no momentum): an optimizer that does, as
-        Adam, would add optimizer.state_dict()["state"] here, and restore() would check it
-        against the parameters' shapes."""
-        state = {"format": CHECKPOINT_FORMAT, "job": self.job, "epoch": len(metrics),
-                 "args": {key: getattr(args, key) for key in RUN_FLAGS},
-                 "metrics": metrics, "model": dict(model.state_dict()),
-                 "loss_scale": scaler.get_scale(),
-                 "growth_tracker": scaler.state_dict().get("_growth_tracker", 0)}
-        # Serialized in memory first: a full disk or a signal then meets a plain write.
+        metrics file, a JSON line an epoch: a resumed run writes it anew from the
+        checkpoint's lines. parts are the model, optimizer, scaler and scheduler by name."""
+        state = {name: part.state_dict() for name, part in parts.items()}
+        state.update(epoch=len(metrics), args=flags, metrics=metrics, job=self.job)
+        # Serialized in memory first: a full disk then meets a plain write.
         buffer = io.BytesIO()
         torch.save(state, buffer)
         try:
             if checkpoint:
                 replace_file(self.checkpoint, buffer.getvalue())
+                self.epoch = len(metrics)
             replace_file(self.metrics, "".join(metrics).encode())
         except OSError as e:
-            raise UsageError(f"could not write in {self.path} ({e}); {self.holds()}")
+            raise UsageError(f"could not write in {self.path} ({e.strerror}); {self.holds()}")
 
     def holds(self):
-        """What the folder holds, read from it: a stopped run's last words."""
-        try:
-            state = self.load()
-        except UsageError:
-            return f"{self.path}'s checkpoint cannot be read"
-        if state is None:
-            return f"{self.path} holds nothing"
-        return f"{self.path} holds epoch {state['epoch']}"
+        """What the folder holds: a stopped run's last words."""
+        if self.epoch is None:
+            return f"{self.path} holds no checkpoint"
+        return f"{self.path} holds epoch {self.epoch}"
 
     def close(self):
         os.close(self.lock)
@@ -797,53 +768,37 @@ class RunFolder:
 
 class NoFolder:
     """Stands in for a RunFolder where nothing is saved: without --run-dir, and on every
-    process but rank 0, which alone writes. holds() says so, for a last line."""
-
-    def __init__(self, why="nothing is saved without --run-dir"):
-        self.why = why
+    process but rank 0, which alone writes."""
+    state = None
 
     def save(self, *args, **kwargs):
         pass
 
     def holds(self):
-        return self.why
+        return "nothing is saved without --run-dir"
 
     def close(self):
         pass
 
 
 def lock_folder(path, resume):
-    """Creates the folder (unless `resume`) and locks it; returns the lock's descriptor."""
-    try:
-        if not resume:
-            os.makedirs(path, exist_ok=True)
-        lock = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as e:
-        raise UsageError(f"cannot use --run-dir {path} ({e})")
+    """Makes the folder (unless `resume`) and locks it; returns the lock's descriptor."""
+    if os.path.isfile(path):
+        raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
+    if resume and not os.path.isdir(path):
+        raise UsageError(f"nothing to resume in {path}: it is not there")
+    os.makedirs(path, exist_ok=True)
+    lock = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(lock)
-        raise UsageError(f"another run is using {path}")
-    return lock
-
-
-def read_file(path):
-    """The bytes of the regular file at `path`, or None if nothing is there. No link is
-    followed, no FIFO waited on, no folder or device read as a file, and nothing larger
-    than a checkpoint may be."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
+        raise UsageError(f"another run is using {path}: wait for it, or use another --run-dir")
     except OSError as e:
-        raise UsageError(f"cannot read {path} ({e}): remove it")
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_CHECKPOINT_BYTES:
-        os.close(fd)
-        raise UsageError(f"{path} is no file this program wrote: remove it")
-    with open(fd, "rb") as f:
-        return f.read()
+        # Some Lustre and NFS mounts, where multi-GPU jobs often write, have no locks.
+        say(f"note: {path} cannot be locked here ({e.strerror}): one run at a time in it "
+            "is up to you")
+    return lock
 
 
 def replace_file(path, data):
@@ -852,7 +807,7 @@ def replace_file(path, data):
     tmp = f"{path}.tmp"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
-    # From the moment the file exists, a full disk or a signal must not leave it behind.
+    # From the moment the file exists, a full disk or Ctrl-C must not leave it behind.
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with open(fd, "wb") as f:
@@ -867,88 +822,38 @@ def replace_file(path, data):
         raise
 
 
-def check_checkpoint(state):
-    """Raises unless `state` has save()'s layout, with values known to be good. A crafted
-    file can nest or reuse an object without end, so only that layout is looked at."""
-    tensors = list(state["model"].values())
-    # Cheap checks first, of the layout as a whole; a field of another type raises.
-    layout = [all(type(state[key]) is kind for key, kind in CHECKPOINT_FIELDS.items()),
-              state["format"] == CHECKPOINT_FORMAT,
-              # One metrics line an epoch, in all no more than a checkpoint may hold.
-              len(state["metrics"]) == state["epoch"],
-              sum(map(len, state["metrics"])) <= MAX_CHECKPOINT_BYTES,
-              # parse_args checks the flags' values.
-              {*map(type, state["args"].values())} <= {int, float, str},
-              # A scale that is finite in float32, and a tracker that lets it grow.
-              MIN_LOSS_SCALE <= state["loss_scale"] <= 2.0**127,
-              0 <= state["growth_tracker"] < 2000,
-              sum(map(torch.numel, tensors)) <= MAX_CHECKPOINT_BYTES // 4]
-    # Then each metrics line and each tensor, once their sizes are known to be bounded.
-    checks = itertools.chain(layout, map(is_json_line, state["metrics"]),
-                             map(known_good, tensors))
-    if not all(checks):
-        raise ValueError("it is damaged, or of another version")
-
-
-def is_json_line(text):
-    """Whether `text` is one JSON object on one line, in ASCII, as json_line writes it."""
-    one_line = text.isascii() and text.endswith("\n") and text.count("\n") == 1
-    return one_line and isinstance(json.loads(text), dict)
-
-
-def known_good(tensor):
-    """Whether a loaded tensor is a finite float32 one or an int64 one: the model's kinds."""
-    return tensor.dtype in (torch.float32, torch.int64) and bool(tensor.isfinite().all())
-
-
-def resume_args(argv, state, device):
-    """The flags: a resumed run's come from its checkpoint, but for those given again, each
-    with a note. Returns (args, notes), the precision resolved and its notes among them."""
-    saved = []
-    if state is not None:
-        saved = [f"--{key.replace('_', '-')}={state['args'].get(key)}" for key in RUN_FLAGS]
-    # argv passed alone, so a mistake here is in a checkpoint's flags.
+@contextlib.contextmanager
+def checkpoint_at(path):
+    """Ends in one line any error in reading or applying the checkpoint at `path`: a file of
+    another program, truncated, a folder, or a checkpoint of another model. Nothing has been
+    written yet when it comes."""
     try:
-        args = parse_args(saved + argv)
-    except UsageError as e:
-        raise UsageError(f"the checkpoint's flags are refused ({e})")
-    args.precision, notes = resolve_precision(args.precision, device, args.example)
-    if state is None:
-        return args, notes
-    if args.data != state["args"]["data"]:
-        raise UsageError(f"the checkpoint was trained on --data {state['args']['data']}")
-    # All but --epochs, which a resume raises.
-    notes += [f"note: --{key.replace('_', '-')} {getattr(args, key)} replaces the "
-              f"checkpoint's {state['args'][key]}" for key in RUN_FLAGS[1:]
-              if getattr(args, key) != state["args"][key]]
-    return args, notes + [f"resumed from {args.run_dir} after epoch {state['epoch']}"]
-
-
-def restore(state, model, scaler):
-    """Loads a checkpoint's weights and loss scale in place, checked against the model;
-    returns its metrics lines ([] for a new run). The hyperparameters are the flags', never
-    the checkpoint's."""
-    if state is None:
-        return []
-    try:
-        # Another key or shape raises here.
-        model.load_state_dict(state["model"])
+        yield
     except Exception as e:
-        raise UsageError(f"the checkpoint does not fit ({' '.join(str(e).split())})")
-    # A disabled scaler takes no state: its scale stays 1.
-    if scaler.is_enabled() and state["args"]["precision"] == "fp16":
-        scaler.load_state_dict({**scaler.state_dict(), "scale": state["loss_scale"],
-                                "_growth_tracker": state["growth_tracker"]})
-    return list(state["metrics"])
+        raise UsageError(f"{path} is no checkpoint this run can go on from "
+                         f"({type(e).__name__}): move it away, or use another --run-dir")
+
+
+def restore(state, parts, lr, path):
+    """Loads the checkpoint's state dicts into parts, in place; returns its metrics lines."""
+    with checkpoint_at(path):
+        for name, part in parts.items():
+            # A disabled GradScaler (bf16, fp32) saves {}: in fp16 the run starts a new scale.
+            if state[name]:
+                part.load_state_dict(state[name])
+        metrics = list(state["metrics"])
+    # The lr follows the flags' --lr, which a resume may change, along the schedule.
+    scheduler = parts["scheduler"]
+    scheduler.base_lrs = [lr]
+    parts["optimizer"].param_groups[0]["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+    return metrics
 
 
 def open_run_folder(args, job):
     """Rank 0 takes --run-dir; every process gets (its folder, the checkpoint to go on from,
     or None). The other processes save nothing: theirs is a NoFolder."""
-    if args.run_dir is None:
-        return NoFolder(), None
-    folder, found = NoFolder(f"process 0 saves {args.run_dir}"), [None]
-    if rank() == 0:
+    folder, found = NoFolder(), [None]
+    if args.run_dir is not None and rank() == 0:
         try:
             folder = RunFolder(args.run_dir, args.resume, job)
             found = [folder.state]
@@ -975,101 +880,33 @@ def world_size():
 
 
 def join_processes(device):
-    """Under torchrun, joins the other processes (NCCL on GPUs, gloo on CPUs) and returns the
-    job's name; alone, a random name of its own. All rounds of one torchrun launch get the
-    same name, which a restart finds in the checkpoint; another launch gets another."""
-    if "WORLD_SIZE" not in os.environ:
-        return os.urandom(16).hex()
-    try:
-        store, process_rank, processes = next(dist.rendezvous("env://", timeout=DIST_TIMEOUT))
-    except ValueError as e:
-        # MASTER_ADDR, MASTER_PORT or RANK is missing.
-        raise UsageError(f"{e}: use torchrun, or unset WORLD_SIZE")
-    except Exception as e:
-        # A port in use, a peer that never came: torch names the cause.
-        cause = str(e).splitlines()[0]
-        raise UsageError(f"the processes could not meet ({cause})", 3, True)
-    # The rendezvous id: a uuid with --standalone, the job's --rdzv-id across machines. A
-    # static rendezvous has "none", but keeps its store for every round: the first process
-    # leaves a name there.
+    """Under torchrun, joins the other processes (NCCL on GPUs, gloo on CPUs) through its
+    rendezvous, and returns the launch's name: torchrun's rendezvous id, a uuid with
+    --standalone and --rdzv-id across machines, which every restart of a launch keeps. A
+    static rendezvous names every launch "none", and a run without torchrun has no
+    launch: each gets a random name, so that it never takes another's checkpoint."""
     job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if job == "none":
-        job = store.compare_set("amp_train_job", "", os.urandom(16).hex()).decode()
-    # Each round gets keys of its own: the last round's left gloo hanging.
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"round{restart}", store)
+        job = os.urandom(16).hex()
     backend, device_id = "gloo", None
     if device.type == "cuda":
         backend, device_id = "nccl", device
-    # A bounded wait: a process whose peer died raises instead of waiting for good.
-    dist.init_process_group(backend, store=store, rank=process_rank, world_size=processes,
-                            timeout=DIST_TIMEOUT, device_id=device_id)
+    if world_size() > 1:
+        dist.init_process_group(backend, device_id=device_id)
     return job
 
 
-# ---------- errors and signals
+# ---------- errors
 
 class UsageError(Exception):
-    """What ends a run in one line that says what to do, with its exit status: 2 for a
-    mistake the user can fix, 3 where the processes failed to meet or to work on together,
-    128 + the signal's number for a stop. What every process finds alike is said by rank 0
-    alone under torchrun; what a process met on its own side (a failed process group,
-    running out of memory) by every process (every_process)."""
-
-    def __init__(self, message, status=2, every_process=False):
-        super().__init__(message)
-        self.status, self.every_process = status, every_process
+    """A mistake the user can fix: the run ends in one line that says what to do, exit 2."""
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM (a signal.Signals, its args[0]), under __main__'s handler."""
-    # The signal that came, if one did: see progress().
-    signum = None
-
-
-def stop(signum, frame):
-    """__main__'s handler of SIGINT and SIGTERM: ends the run in one line. Later signals are
-    ignored, so that they cannot cut the last line or the cleanup short."""
-    ignore_signals()
-    Stopped.signum = signal.Signals(signum)
-    # Raised in importlib's own code, Stopped would be printed and dropped (torch's first
-    # zero_grad() imports triton, for seconds): progress() raises it at the next step instead.
-    if "importlib" not in frame.f_code.co_filename:
-        raise Stopped(Stopped.signum)
-
-
-def ignore_signals():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def say(*lines, file=None, every_process=False):
-    """Prints each line; under torchrun, rank 0 alone does, unless every_process. A folder's
-    name may hold a newline, or bytes that are not UTF-8: they are escaped, so that each
-    line stays one line, and one that any terminal prints."""
-    if rank() != 0 and not every_process:
-        return
-    for line in lines:
-        line = line.translate(CONTROL_CHARACTERS)
-        # A byte of a file name that is not UTF-8 comes as a lone surrogate: \udcff.
-        print(line.encode("utf-8", "backslashreplace").decode(), file=file, flush=True)
-
-
-def as_error(error, folder):
-    """What ended a run as one UsageError: a stop (exit 128 + the signal's number), or
-    torch's RuntimeError: out of memory (exit 2), or a failed process group (exit 3; gloo's
-    are plain RuntimeErrors). Any other RuntimeError is a bug: re-raised."""
-    if isinstance(error, UsageError):
-        return error
-    if isinstance(error, Stopped):
-        return UsageError(f"stopped by {error.args[0].name}; {folder.holds()}", 128 + error.args[0])
-    # CUDA's "out of memory. Tried to allocate", the CPU's "can't allocate memory".
-    if "allocate" in str(error):
-        return UsageError("out of memory: lower --batch-size", every_process=True)
-    if not dist.is_initialized():
-        raise error
-    cause = str(error).splitlines()[0][:200]
-    return UsageError(f"the process group failed ({cause}); {folder.holds()}", 3, True)
+def say(*lines, file=None):
+    """Prints each line; under torchrun, rank 0 alone does."""
+    if rank() == 0:
+        for line in lines:
+            print(line, file=file, flush=True)
 
 
 # ====================================================================================
@@ -1082,78 +919,117 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see --help)")
 
 
-def number(kind, low, high):
-    """An argparse type: a `kind` in [low, high], whose bounds the error prints exactly."""
+def number(kind, low, high, bounds):
+    """An argparse type: a `kind` from low to high, which `bounds` says in words."""
     def parse(text):
         # kind("x") raises, and argparse says "invalid int value: 'x'".
         value = kind(text)
         # NaN is in no range.
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text} is not in [{low!r}, {high!r}]")
+            raise argparse.ArgumentTypeError(f"must be {bounds}, not {text}")
         return value
     parse.__name__ = kind.__name__
     return parse
 
 
-def parse_args(argv):
-    """The flags, checked: one line and exit 2 for any mistake, through main()."""
-    args = make_parser().parse_args(argv)
-    if args.example == "memory":
-        if args.precision == "fp32":
-            raise UsageError("--example memory compares fp32 with --precision bf16 or fp16")
-        if args.run_dir is not None:
-            raise UsageError("--run-dir is for the resnet and linear examples")
-        if world_size() > 1:
-            raise UsageError("--example memory measures one process: run it without torchrun")
+def make_parser():
+    """The command line's flags, each with its help and default."""
+    count = number(int, 1, sys.maxsize, "1 or more")
+    limit = number(int, 0, sys.maxsize, "0 or more")
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--example", default="resnet", choices=EXAMPLES,
+                   help="resnet: ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); "
+                   "memory: fp32 and AMP side by side")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda if a GPU is visible")
+    p.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS],
+                   help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, "
+                   "else fp32")
+    p.add_argument("--epochs", default=EPOCHS, type=count, help="linear's are steps")
+    p.add_argument("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
+    p.add_argument("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf,
+                                                   "more than 0"),
+                   help="SGD's; resnet's falls tenfold every 10 epochs")
+    p.add_argument("--data", default="cifar10", choices=["cifar10", "synthetic"],
+                   help="resnet's; synthetic: 10,000 learnable images, made offline")
+    p.add_argument("--data-root", default="./data", help="CIFAR-10's folder")
+    p.add_argument("--max-steps", default=0, type=limit,
+                   help="resnet's steps an epoch, and test batches; 0: off")
+    p.add_argument("--clip-grad-norm", default=0.0, type=number(float, 0.0, math.inf,
+                                                                "0 or more"),
+                   help="the gradients' largest norm; 0: off")
+    p.add_argument("--accum-steps", default=1, type=count, help="micro-batches a step")
+    p.add_argument("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and "
+                   "DIR/metrics.jsonl each epoch")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with --run-dir's run, with its flags unless given again")
+    p.add_argument("--model", default="resnet18",
+                   help="memory's: resnet18 (CIFAR stem), resnet18-imagenet (the post's), "
+                   "linear, or a torchvision.models.list_models() name")
+    p.add_argument("--steps", default=MEMORY_STEPS, type=count,
+                   help="memory's timed steps, after 3 warm-up steps")
+    p.add_argument("--seed", default=0, type=number(int, 0, 2**32 - 1, "from 0 to 2**32 - 1"),
+                   help="seeds the weights, the data and its order")
+    return p
+
+
+def parse_args(argv, saved=None):
+    """The flags, checked: one line and exit 2 for any mistake, through main(). A resumed
+    run goes on with its checkpoint's flags, `saved`: they are the defaults."""
+    saved = saved or {}
+    parser = make_parser()
+    parser.set_defaults(**saved)
+    args = parser.parse_args(argv)
+    # A run goes on as what it was: the same example, on the same data.
+    for key in ("example", "data"):
+        if key in saved and getattr(args, key) != saved[key]:
+            raise UsageError(f"the run to resume is --{flag(key)} {saved[key]}: resume it "
+                             f"without --{flag(key)}")
+    for key, examples in FLAG_EXAMPLES.items():
+        if not applies(key, args.example) and getattr(args, key) != parser.get_default(key):
+            raise UsageError(f"--{flag(key)} is for --example {' and '.join(examples)}")
+    if args.example == "memory" and args.precision == "fp32":
+        raise UsageError("--example memory compares fp32 with --precision bf16 or fp16")
+    if args.example == "memory" and world_size() > 1:
+        raise UsageError("--example memory measures one process: run it without torchrun")
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir DIR")
     return args
 
 
-def make_parser():
-    """The command line's flags, each with its help and default."""
-    count, limit = number(int, 1, 2**31 - 1), number(int, 0, 2**31 - 1)
-    largest = torch.finfo(torch.float32).max
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+def applies(key, example):
+    """Whether the flag of args attribute `key` means something to `example`."""
+    return example in FLAG_EXAMPLES.get(key, EXAMPLES)
 
-    def add(flag, default, help, **options):
-        # Each help ends with the default that the flag truly has.
-        p.add_argument(flag, default=default, help=f"{help} (default: {default})", **options)
-    add("--example", "resnet", choices=["resnet", "linear", "memory"],
-        help="resnet: ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); memory: fp32 "
-        "and AMP side by side")
-    add("--device", "auto", choices=["auto", "cpu", "cuda"],
-        help="auto: cuda if a GPU is visible")
-    add("--precision", "auto", choices=["auto", *PRECISIONS],
-        help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, else fp32")
-    add("--epochs", EPOCHS, type=count, help="linear's are steps")
-    add("--batch-size", BATCH_SIZE, type=count, help="each process's")
-    add("--lr", LR, type=number(float, math.ulp(0.0), largest),
-        help="SGD's; resnet's falls tenfold every 10 epochs")
-    add("--data", "cifar10", choices=["cifar10", "synthetic"],
-        help="synthetic: 10,000 learnable images, made offline")
-    add("--data-root", "./data", help="CIFAR-10's folder")
-    add("--max-steps", 0, type=limit, help="steps an epoch, and test batches; 0: off")
-    add("--clip-grad-norm", 0.0, type=number(float, 0.0, largest),
-        help="the gradients' largest norm; 0: off")
-    add("--accum-steps", 1, type=count, help="micro-batches a step")
-    p.add_argument("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and "
-                   "DIR/metrics.jsonl each epoch (default: none)")
-    p.add_argument("--resume", action="store_true",
-                   help="go on with --run-dir's run, with its flags unless given again")
-    add("--model", "resnet18",
-        help="memory's: resnet18 (CIFAR stem), resnet18-imagenet (the post's), linear, or a "
-        "torchvision.models.list_models() name")
-    add("--steps", MEMORY_STEPS, type=count, help="memory's timed steps, after 3 warm-up steps")
-    add("--seed", 0, type=number(int, 0, 2**32 - 1),
-        help="seeds the weights, the data and its order")
-    return p
+
+def flag(key):
+    """The flag of an args attribute: batch_size is --batch-size."""
+    return key.replace("_", "-")
+
+
+def resume_args(argv, state, device):
+    """The flags: a resumed run's come from its checkpoint, but for those given again, each
+    with a note. Returns (args, notes), the precision resolved and its notes among them."""
+    saved = {}
+    if state is not None:
+        saved = state["args"]
+    args = parse_args(argv, saved)
+    args.precision, notes = resolve_precision(args.precision, device, args.example)
+    # All but --epochs, which a resume raises.
+    for key, value in saved.items():
+        if getattr(args, key) != value and key != "epochs":
+            notes.append(f"note: --{flag(key)} {getattr(args, key)} replaces the "
+                         f"checkpoint's {value}")
+    if state is not None:
+        notes.append(f"resumed from {args.run_dir} after epoch {state['epoch']}")
+    return args, notes
 
 
 def main(argv):
-    """The command line: runs an example, returns its exit status. A mistake, a failed
-    process group, running out of memory, and Ctrl-C or SIGTERM each end in one line."""
-    folder, error = NoFolder(), None
+    """The command line: runs an example, returns its exit status. A mistake, running out
+    of GPU memory, and Ctrl-C each end in one line; a bug keeps its traceback."""
+    folder = NoFolder()
     try:
         args = parse_args(argv)
         device = resolve_device(args.device)
@@ -1161,35 +1037,29 @@ def main(argv):
         folder, state = open_run_folder(args, job)
         args, notes = resume_args(argv, state, device)
         if args.example == "memory":
-            folder = NoFolder("the memory example stopped before its report")
-            status = run_memory(args, device, notes)
-        else:
-            status = train_example(args, device, folder, state, notes)
+            return run_memory(args, device, notes)
+        status = train_example(args, device, folder, state, notes)
         # Every process ends its last collective before any leaves the group.
         if dist.is_initialized():
             dist.barrier()
-    except (Stopped, UsageError, RuntimeError) as e:
-        error = e
-    # The outcome is known. Under __main__'s handler a signal from here on (torchrun stops
-    # the survivors of a dead peer) changes nothing: the last line, which reads the folder,
-    # and the cleanup run whole.
-    if signal.getsignal(signal.SIGTERM) is stop:
-        ignore_signals()
-    if error is not None:
-        error = as_error(error, folder)
-        say(f"error: {error}", file=sys.stderr, every_process=error.every_process)
-        status = error.status
-    folder.close()
-    if dist.is_initialized():
-        # DDP's reference cycles keep the group alive, and gloo aborts if they outlive it.
-        gc.collect()
-        dist.destroy_process_group()
-    return status
+        return status
+    except UsageError as e:
+        say(f"error: {e}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError:
+        # A process runs out on its own GPU: each says so.
+        print("error: out of GPU memory: lower --batch-size", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        say(f"error: stopped by Ctrl-C; {folder.holds()}", file=sys.stderr)
+        return 130
+    finally:
+        folder.close()
+        if dist.is_initialized():
+            # DDP's reference cycles keep the group alive, and gloo aborts if they outlive it.
+            gc.collect()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    # Ctrl-C and SIGTERM end a run in one line that names what its folder holds.
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    # main() ignores later signals itself: torch's teardown takes a while, after the run.
     sys.exit(main(sys.argv[1:]))

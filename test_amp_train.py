@@ -10,13 +10,10 @@ import os
 import pathlib
 import pickle
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
-import zipfile
 
 import numpy as np
 import pytest
@@ -43,7 +40,6 @@ LINEAR_FP16 = LINEAR + ["--precision", "fp16"]
 RESNET = ["--device", "cpu", "--example", "resnet", "--data", "synthetic", "--max-steps", "2",
           "--batch-size", "4", "--precision", "fp32"]
 RESNET18 = amp_train.resnet18
-NOTHING_SAVED = "nothing is saved without --run-dir"
 
 
 def small_model(imagenet_stem=False):
@@ -145,13 +141,6 @@ def files_of(folder):
 
 def lrs_of(out):
     return [float(x) for x in re.findall(r"\| lr ([\d.e-]+) \|", out)]
-
-
-def script(*argv, **env):
-    """amp_train.py as a user starts it, in a process of its own (its stdout buffered)."""
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, **env}
-    return subprocess.Popen([sys.executable, SCRIPT, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def retry_if_the_port_was_taken(run):
@@ -859,24 +848,30 @@ def test_a_run_whose_weights_turn_nan_stops_and_keeps_its_last_sound_epoch(tmp_p
     argv = LINEAR + ["--precision", "fp32", "--lr", "1e20", "--epochs", "5", "--run-dir"]
     assert amp_train.main(argv + [str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert re.fullmatch(rf"error: epoch 2: the model's \w+ holds inf/NaN; "
-                        rf"{re.escape(str(tmp_path))} holds epoch 1; lower --lr\n", err), err
+    assert re.fullmatch(rf"error: epoch 2: the model's \w+ holds inf/NaN: lower --lr, or look "
+                        rf"for inf/NaN in the data; {re.escape(str(tmp_path))} holds epoch 1\n",
+                        err), err
     assert "Infinity" not in (tmp_path / "metrics.jsonl").read_text(), "JSON has no inf"
     assert [r["train_loss"] for r in read_metrics(tmp_path / "metrics.jsonl")][1:] == [None]
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 1
 
 
-def test_an_epoch_with_a_nan_loss_and_sound_weights_is_saved_and_training_goes_on(
-        tmp_path, monkeypatch):
-    evaluate, calls = amp_train.evaluate, []
+@pytest.mark.parametrize("precision,status,saved", [("fp32", 1, 1), ("bf16", 1, 1),
+                                                    ("fp16", 0, 3)])
+def test_an_inf_loss_with_sound_weights_stops_the_run_unless_a_scaler_skipped_its_steps(
+        precision, status, saved, tmp_path, monkeypatch, capsys):
+    calls, real = [], amp_train.train_epoch
 
-    def nan_once(*args):
+    def inf_once(*args, **kwargs):
         calls.append(1)
-        return {**evaluate(*args), "loss": math.nan if len(calls) == 1 else 1.0}
-    monkeypatch.setattr(amp_train, "evaluate", nan_once)
-    ok(RESNET + ["--epochs", "2", "--run-dir", str(tmp_path)])
-    assert [r["test_loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [None, 1.0]
-    assert load(tmp_path / "checkpoint.pt")["epoch"] == 2
+        return {**real(*args, **kwargs), "loss": math.inf if len(calls) == 2 else 1.0}
+    monkeypatch.setattr(amp_train, "train_epoch", inf_once)
+    argv = LINEAR + ["--precision", precision, "--epochs", "3", "--run-dir", str(tmp_path)]
+    assert amp_train.main(argv) == status
+    assert load(tmp_path / "checkpoint.pt")["epoch"] == saved
+    assert [r["train_loss"] for r in read_metrics(tmp_path / "metrics.jsonl")][:2] == [1.0, None]
+    assert status == 0 or "the train loss is inf/NaN: training diverged; lower --lr; " in (
+        capsys.readouterr().err)
 
 
 def test_nan_batchnorm_statistics_stop_the_run(monkeypatch, tmp_path, capsys):
@@ -892,18 +887,21 @@ def test_nan_batchnorm_statistics_stop_the_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(amp_train, "train_epoch", second_epoch_has_an_inf_batch)
     argv = RESNET + ["--batch-size", "2", "--epochs", "3", "--precision", "fp16", "--run-dir"]
     assert amp_train.main(argv + [str(tmp_path)]) == 1
-    assert f"epoch 2: the model's 1.running_mean holds inf/NaN; {tmp_path} holds epoch 1" in (
-        capsys.readouterr().err)
+    err = capsys.readouterr().err
+    assert "epoch 2: the model's 1.running_mean holds inf/NaN" in err, err
+    assert err.endswith(f"; {tmp_path} holds epoch 1\n"), err
 
 
-def test_a_loss_scale_that_collapses_stops_the_run(monkeypatch, capsys):
+def test_a_loss_scale_that_collapses_stops_the_run_and_points_to_the_forward_pass(monkeypatch,
+                                                                                 capsys):
     class Eager(amp_train.SkipCountingScaler):
         def __init__(self, device_type, enabled):
             super().__init__(device_type, enabled=enabled, growth_interval=1)
     monkeypatch.setattr(amp_train, "SkipCountingScaler", Eager)
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "100", "--lr", "1e38"]) == 1
     err = capsys.readouterr().err
-    assert re.search(r"epoch \d+: the loss scale fell to 7\.6\d*e-06: inf/NaN gradients", err)
+    assert re.search(r"epoch \d+: the loss scale fell to 7\.6\d*e-06: fp16 overflows in the "
+                     r"forward pass, or the data holds inf/NaN; try --precision bf16", err), err
 
 
 @pytest.mark.parametrize("kind", [{"foreach": False}, {"foreach": True}, {"fused": True}])
@@ -1081,7 +1079,79 @@ def test_a_batch_of_one_on_1x1_maps_asks_for_a_larger_batch(capsys, resnet18):
     assert "raise --batch-size" in run_bad(argv, capsys)
 
 
-# ---------- the run folder
+# ---------- the run folder: every write whole, the standard checkpoint, one try to read it
+
+def test_each_write_is_fsynced_then_renamed_before_the_first_epoch_and_after_each(tmp_path,
+                                                                                monkeypatch):
+    calls, fsync, replace = [], os.fsync, os.replace
+
+    def fsyncing(fd):
+        calls.append("fsync")
+        fsync(fd)
+
+    def renaming(source, target):
+        calls.append(f"{pathlib.Path(source).name} -> {pathlib.Path(target).name}")
+        replace(source, target)
+    monkeypatch.setattr(os, "fsync", fsyncing)
+    monkeypatch.setattr(os, "replace", renaming)
+    ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)])
+    assert calls == ["fsync", "checkpoint.pt.tmp -> checkpoint.pt", "fsync",
+                     "metrics.jsonl.tmp -> metrics.jsonl"] * 3, calls
+    assert sorted(files_of(tmp_path)) == ["checkpoint.pt", "metrics.jsonl"], "nothing else"
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_write_that_fails_or_is_stopped_changes_no_file_and_says_what_is_saved(
+        error, tmp_path, monkeypatch, capsys):
+    ok(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(tmp_path)])
+    before, fsync = files_of(tmp_path), os.fsync
+
+    def failing(fd):
+        os.write(fd, b"half a file")
+        raise error
+    monkeypatch.setattr(os, "fsync", failing)
+    argv = LINEAR_FP16 + ["--epochs", "3", "--run-dir", str(tmp_path), "--resume"]
+    status = {OSError: 2, KeyboardInterrupt: 130}[type(error)]
+    err = run_bad(argv, capsys, status)
+    assert err.endswith(f"; {tmp_path} holds epoch 1\n"), err
+    assert "epoch 2/3" not in capsys.readouterr().out, "it failed before training"
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert files_of(tmp_path) == before and not list(tmp_path.glob("*.tmp")), "a file changed"
+
+
+def test_a_link_at_the_tmp_name_is_never_written_through(tmp_path, monkeypatch):
+    (tmp_path / "precious.txt").write_text("work")
+    (tmp_path / "metrics.jsonl.tmp").symlink_to(tmp_path / "precious.txt")
+    amp_train.replace_file(str(tmp_path / "metrics.jsonl"), b"lines")
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b"lines"
+    # A link that comes back between the unlink and the open: O_EXCL | O_NOFOLLOW refuse it.
+    (tmp_path / "metrics.jsonl.tmp").symlink_to(tmp_path / "precious.txt")
+    monkeypatch.setattr(os, "unlink", lambda path: None)
+    with pytest.raises(FileExistsError):
+        amp_train.replace_file(str(tmp_path / "metrics.jsonl"), b"more lines")
+    assert (tmp_path / "precious.txt").read_text() == "work", "a link was written through"
+
+
+def test_the_checkpoint_is_the_standard_one_that_plain_torch_loads(tmp_path):
+    ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)])
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert set(state) == {"model", "optimizer", "scaler", "scheduler", "epoch", "args",
+                          "metrics", "job"}, set(state)
+    model = nn.Linear(10, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
+    for name, part in [("model", model), ("optimizer", optimizer), ("scaler", scaler),
+                       ("scheduler", scheduler)]:
+        part.load_state_dict(state[name])
+    assert (state["epoch"], scheduler.last_epoch, scaler.get_scale()) == (2, 2, 65536.0)
+    assert optimizer.param_groups[0]["lr"] == 0.01 and len(state["metrics"]) == 2
+
+
+def adamw(model, lr):
+    """An optimizer with state of its own (Adam's moments), which a resume must restore."""
+    return torch.optim.AdamW(model.parameters(), lr=lr)
+
 
 class Grows(amp_train.SkipCountingScaler):
     """A scaler whose scale grows every step from 16 (16, 32, 64...): one not restored shows."""
@@ -1094,87 +1164,37 @@ def untimed(path):
     return [{k: v for k, v in r.items() if "second" not in k} for r in read_metrics(path)]
 
 
-@pytest.mark.parametrize("example,epochs,split", [(RESNET, 3, 2), (LINEAR_FP16, 6, 3)])
-def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(example, epochs, split,
-                                                                   tmp_path, capsys,
-                                                                   monkeypatch):
+@pytest.mark.parametrize("argv,optimizer", [
+    (RESNET, None), (LINEAR + ["--precision", "fp32"], None),
+    (LINEAR + ["--precision", "bf16"], None), (LINEAR_FP16, None),
+    (LINEAR + ["--precision", "fp32"], adamw), (LINEAR_FP16, adamw)],
+    ids=["resnet", "fp32", "bf16", "fp16", "fp32-adamw", "fp16-adamw"])
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(argv, optimizer, tmp_path,
+                                                                   monkeypatch, capsys):
     monkeypatch.setattr(amp_train, "SkipCountingScaler", Grows)
+    monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 2)
+    monkeypatch.setattr(amp_train, "LR_GAMMA", {"resnet": 0.1, "linear": 0.5})
+    if optimizer is not None:
+        monkeypatch.setattr(amp_train, "make_optimizer", optimizer)
     a, b = tmp_path / "a", tmp_path / "b"
-    ok(example + ["--epochs", str(epochs), "--run-dir", str(a)])
-    ok(example + ["--epochs", str(split), "--run-dir", str(b)])
-    # A later epoch, torn, foreign: the checkpoint's lines win.
+    ok(argv + ["--epochs", "5", "--run-dir", str(a)])
+    ok(argv + ["--epochs", "3", "--run-dir", str(b)])
+    # A later epoch, torn: the checkpoint's lines win.
     with open(b / "metrics.jsonl", "a") as f:
-        f.write('{"example": "linear", "epoch": 3}\n{"example": "lin\n[1, 2]\n{"epoch": NaN}\n')
-    ok(example + ["--epochs", str(epochs), "--run-dir", str(b), "--resume"])
-    assert f"resumed from {b} after epoch {split}" in capsys.readouterr().out
+        f.write('{"epoch": 4}\n{"epo')
+    ok(argv + ["--epochs", "5", "--run-dir", str(b), "--resume"])
+    assert f"resumed from {b} after epoch 3" in capsys.readouterr().out
     a_state, b_state = load(a / "checkpoint.pt"), load(b / "checkpoint.pt")
-    assert a_state["loss_scale"] == (1024.0 if example is LINEAR_FP16 else 1.0), a_state
-    for key in ("epoch", "loss_scale", "growth_tracker"):
-        assert a_state[key] == b_state[key], key
+    for name in ("model", "optimizer", "scaler", "scheduler", "epoch"):
+        assert str(a_state[name]) == str(b_state[name]), name
     assert all(torch.equal(a_state["model"][k], b_state["model"][k]) for k in a_state["model"])
     assert untimed(a / "metrics.jsonl") == untimed(b / "metrics.jsonl")
 
 
-def test_each_write_is_fsynced_then_renamed_before_the_first_epoch_and_after_each(tmp_path,
-                                                                                monkeypatch):
-    calls, fsync, replace = [], os.fsync, os.replace
-
-    def fsyncing(fd):
-        calls.append("fsync")
-        fsync(fd)
-
-    def renaming(source, target):
-        calls.append(pathlib.Path(target).name)
-        replace(source, target)
-    monkeypatch.setattr(os, "fsync", fsyncing)
-    monkeypatch.setattr(os, "replace", renaming)
-    ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)])
-    assert calls == ["fsync", "checkpoint.pt", "fsync", "metrics.jsonl"] * 3, calls
-    assert sorted(files_of(tmp_path)) == ["checkpoint.pt", "metrics.jsonl"], "nothing else"
-    state = load(tmp_path / "checkpoint.pt")
-    assert (state["epoch"], state["loss_scale"], state["args"]["precision"]) == (2, 65536.0, "fp16")
-
-
-@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
-                                   OSError(1, "Operation not permitted")])
-def test_a_write_that_fails_ends_in_one_line_and_changes_no_file(error, tmp_path, monkeypatch,
-                                                                 capsys):
-    ok(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(tmp_path)])
-    before = files_of(tmp_path)
-    real = os.fsync
-
-    def disk_full(fd):
-        os.write(fd, b"half a file")
-        raise error
-    monkeypatch.setattr(os, "fsync", disk_full)
-    argv = LINEAR_FP16 + ["--epochs", "3", "--run-dir", str(tmp_path), "--resume"]
-    err = run_bad(argv, capsys)
-    assert error.strerror in err and err.endswith(f"{tmp_path} holds epoch 1\n"), err
-    assert "epoch 2/3" not in capsys.readouterr().out, "it failed before training"
-    monkeypatch.setattr(os, "fsync", real)
-    assert files_of(tmp_path) == before and not list(tmp_path.glob("*.tmp")), "a file changed"
-
-
-def saved_state(tmp_path):
-    """The checkpoint of a one-epoch fp16 linear run, as save() wrote it."""
-    ok(LINEAR_FP16 + ["--epochs", "1", "--run-dir", str(tmp_path)])
-    return load(tmp_path / "checkpoint.pt")
-
-
-def edited(state, edits):
-    """`state` with each key set to its value ("args/lr" sets args' lr; None removes it)."""
-    for key, value in edits.items():
-        where, _, key = key.rpartition("/")
-        target = state[where] if where else state
-        target[key] = value
-        if value is None:
-            target.pop(key)
-    return state
-
-
-def nested(depth, reused=1):
-    """Lists nested `depth` deep; reused=2 makes [[x, x], [x, x]]: 2**depth in a few bytes."""
-    return functools.reduce(lambda inner, _: [inner] * reused, range(depth), [])
+def checkpoint_of_another_model(path):
+    state = load(path)
+    state["model"]["weight"] = torch.zeros(1, 11)
+    torch.save(state, path)
 
 
 class CreatesAFile:
@@ -1183,164 +1203,27 @@ class CreatesAFile:
         return pathlib.Path.touch, (pathlib.Path("pwned"),)
 
 
-# One string of 600,000 characters, twice: 1.2 MB of metrics in a 0.6 MB file.
-LONG_LINE = '{"x": "' + "x" * 600_000 + '"}\n'
-# Each way to make a checkpoint's fields wrong, and the words of the line that refuses it.
-BAD_FIELDS = [
-    ({"format": "amp_train checkpoint 5"}, "damaged, or of another version"),
-    ({"format": None}, "KeyError: 'format'"),
-    ({"job": 7}, "damaged"),
-    ({"epoch": 0}, "damaged"), ({"epoch": True}, "damaged"), ({"epoch": math.inf}, "damaged"),
-    ({"metrics": ["garbage"]}, "damaged"),
-    ({"metrics": ["x\n"]}, "JSONDecodeError"),
-    ({"metrics": ['{"a": 1}\n{"b": 2}\n']}, "damaged"),
-    ({"metrics": ["[1, 2]\n"]}, "damaged"),
-    ({"metrics": ['{"\u00e9": 1}\n']}, "damaged"),
-    ({"metrics": ["\ud800\n"]}, "damaged"),
-    ({"metrics": [1]}, "TypeError"),
-    ({"metrics": nested(400)}, "AttributeError"),
-    ({"metrics": ["[" * 100_000 + "]" * 100_000 + "\n"]}, "RecursionError"),
-    ({"metrics": [LONG_LINE, LONG_LINE], "epoch": 2}, "damaged"),
-    ({"args": {"lr": nested(60, 2)}}, "damaged"),
-    ({"loss_scale": "65536"}, "TypeError"), ({"loss_scale": 1e-300}, "damaged"),
-    ({"loss_scale": math.nan}, "damaged"),
-    ({"growth_tracker": 2000}, "damaged"), ({"growth_tracker": -1}, "damaged"),
-    ({"model": None}, "KeyError: 'model'"),
-    ({"model/weight": torch.full((1, 10), math.nan)}, "damaged"),
-    ({"model/weight": torch.zeros(1, 10, dtype=torch.float64)}, "damaged"),
-    ({"model/weight": torch.zeros(1, 10, dtype=torch.complex64)}, "damaged"),
-    ({"model": dict.fromkeys(map(str, range(99)), torch.zeros(10**4))}, "damaged")]
-
-
-@pytest.mark.parametrize("edits,says", BAD_FIELDS,
-                         ids=[f"{i}-{'+'.join(edits)}" for i, (edits, _) in enumerate(BAD_FIELDS)])
-def test_a_checkpoint_with_a_bad_field_is_refused_by_the_run_folder(edits, says, tmp_path,
-                                                                    monkeypatch):
-    torch.save(edited(saved_state(tmp_path), edits), tmp_path / "checkpoint.pt")
-    monkeypatch.setattr(amp_train, "MAX_CHECKPOINT_BYTES", 2**20)
-    before = files_of(tmp_path)
-    with pytest.raises(amp_train.UsageError, match=re.escape(says)):
-        amp_train.RunFolder(str(tmp_path), True, "job")
-    assert files_of(tmp_path) == before
-
-
-# Checkpoints of sound layout whose flags or weights this run refuses, and the line's words.
-UNFIT = [({"args/lr": -1.0}, "the checkpoint's flags are refused"),
-         ({"args/precision": "fp8"}, "the checkpoint's flags are refused"),
-         ({"args": {"lr": 0.01}}, "the checkpoint's flags are refused"),
-         ({"args/example": "nope"}, "the checkpoint's flags are refused"),
-         ({"model": {"weight": torch.zeros(3)}}, "does not fit"),
-         ({"model": {"weight": torch.zeros(1, 10), 3: torch.zeros(1)}}, "does not fit")]
-
-
-@pytest.mark.parametrize("edits,says", UNFIT, ids=[str(says) for _, says in UNFIT])
-def test_a_checkpoint_that_does_not_fit_the_run_ends_in_one_line_and_changes_nothing(
-        edits, says, tmp_path, capsys):
-    torch.save(edited(saved_state(tmp_path), edits), tmp_path / "checkpoint.pt")
-    before = files_of(tmp_path)
-    capsys.readouterr()
-    err = run_bad(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path), "--resume"], capsys)
-    assert says in err and files_of(tmp_path) == before, err
-
-
-def zip_bomb(path):
-    """10 MB of zeros, deflated: the test allows 1 MB."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as f:
-        f.writestr("archive/data/0", bytes(10 * 2**20))
-
-
-@pytest.mark.parametrize("make,says", [
-    (lambda path: torch.save({"x": CreatesAFile()}, path), "UnpicklingError"),
-    (lambda path: path.write_bytes(path.read_bytes()[:200]), "BadZipFile"),
-    (lambda path: torch.save(load(path), path, _use_new_zipfile_serialization=False),
-     "BadZipFile"),
-    (zip_bomb, "unpacks to too much"),
-    (lambda path: path.write_bytes(bytes(2**20 + 1)), "is no file this program wrote")],
-    ids=["code", "truncated", "old format", "zip bomb", "too large"])
-def test_a_checkpoint_file_that_is_no_checkpoint_is_refused_and_runs_no_code(make, says,
-                                                                             tmp_path,
-                                                                             monkeypatch):
-    saved_state(tmp_path)
+@pytest.mark.parametrize("make", [
+    lambda path: torch.save({"x": CreatesAFile()}, path),
+    lambda path: path.write_bytes(path.read_bytes()[:200]),
+    lambda path: torch.save({"model": load(path)["model"]}, path),
+    checkpoint_of_another_model,
+    lambda path: path.unlink() or path.mkdir()],
+    ids=["code", "truncated", "of another program", "of another model", "a folder"])
+def test_a_file_that_is_no_checkpoint_of_this_run_ends_in_one_line_and_changes_nothing(
+        make, tmp_path, monkeypatch, capsys):
+    run = LINEAR_FP16 + ["--run-dir", str(tmp_path / "run")]
+    ok(run + ["--epochs", "1"])
+    make(tmp_path / "run" / "checkpoint.pt")
+    before = {p.name: p.lstat().st_mtime_ns for p in (tmp_path / "run").iterdir()}
     monkeypatch.chdir(tmp_path)
-    make(tmp_path / "checkpoint.pt")
-    monkeypatch.setattr(amp_train, "MAX_CHECKPOINT_BYTES", 2**20)
-    with pytest.raises(amp_train.UsageError, match=says):
-        amp_train.RunFolder(str(tmp_path), True, "job")
-    assert not (tmp_path / "pwned").exists()
-    # A refused folder is not held: another run may take it at once.
-    os.close(amp_train.lock_folder(str(tmp_path), True))
+    err = run_bad(run + ["--epochs", "2", "--resume"], capsys)
+    assert f"{tmp_path / 'run' / 'checkpoint.pt'} is no checkpoint this run can go on" in err
+    assert len(err) < 200 and not (tmp_path / "pwned").exists(), err
+    assert {p.name: p.lstat().st_mtime_ns for p in (tmp_path / "run").iterdir()} == before
 
 
-def test_a_checkpoint_of_another_job_needs_resume_and_a_restart_of_its_job_does_not(tmp_path):
-    saved_state(tmp_path)
-    job = load(tmp_path / "checkpoint.pt")["job"]
-    with pytest.raises(amp_train.UsageError, match="holds a checkpoint: add --resume"):
-        amp_train.RunFolder(str(tmp_path), False, "another job")
-    folder = amp_train.RunFolder(str(tmp_path), False, job)
-    assert folder.state["epoch"] == 1
-    folder.close()
-
-
-def kinds_of_thing():
-    """Each kind of thing that can stand where the run folder expects a file: make(path)."""
-    def link_to_a_file(path):
-        (path.parent / "precious.txt").write_text("work")
-        path.symlink_to(path.parent / "precious.txt")
-
-    def socket_at(path):
-        with socket.socket(socket.AF_UNIX) as s:
-            s.bind(str(path))
-    return {"folder": os.mkdir, "fifo": os.mkfifo, "link": link_to_a_file,
-            "dangling link": lambda path: path.symlink_to(path.parent / "nowhere"),
-            "socket": socket_at}
-
-
-@pytest.mark.parametrize("kind", sorted(kinds_of_thing()))
-@pytest.mark.parametrize("name,resume", [("checkpoint.pt", False), ("checkpoint.pt", True),
-                                         ("metrics.jsonl", False)])
-def test_what_stands_at_the_folders_names_is_refused_in_one_line_and_kept(name, resume, kind,
-                                                                           tmp_path, capsys):
-    if resume:
-        saved_state(tmp_path)
-        (tmp_path / name).unlink()
-    kinds_of_thing()[kind](tmp_path / name)
-    before = {p.name: p.lstat().st_mode for p in tmp_path.iterdir()}
-    argv = LINEAR + ["--epochs", "2", "--run-dir", str(tmp_path)] + ["--resume"] * resume
-    err = run_bad(argv, capsys)
-    assert f"{tmp_path / name}" in err and "remove it" in err, err
-    assert "epoch 1/2" not in capsys.readouterr().out
-    assert {p.name: p.lstat().st_mode for p in tmp_path.iterdir()} == before, "it changed"
-    assert kind != "link" or (tmp_path / "precious.txt").read_text() == "work"
-
-
-@pytest.mark.parametrize("kind", sorted(kinds_of_thing()))
-@pytest.mark.parametrize("name", ["checkpoint.pt.tmp", "metrics.jsonl.tmp"])
-def test_what_stands_at_a_tmp_name_is_replaced_or_refused_never_written_through(name, kind,
-                                                                                tmp_path,
-                                                                                capsys):
-    kinds_of_thing()[kind](tmp_path / name)
-    code = amp_train.main(LINEAR + ["--epochs", "1", "--run-dir", str(tmp_path)])
-    err = capsys.readouterr().err
-    if kind == "folder":
-        # A folder is not removed: one line names it, before any training.
-        assert code == 2 and "could not write" in err and name in err, err
-        assert err.endswith(f"{tmp_path} holds {['nothing', 'epoch 0'][name[0] == 'm']}\n")
-    else:
-        assert code == 0 and load(tmp_path / "checkpoint.pt")["epoch"] == 1, err
-        assert not (tmp_path / name).exists() and not (tmp_path / name).is_symlink()
-    assert kind != "link" or (tmp_path / "precious.txt").read_text() == "work"
-
-
-def test_a_link_that_appears_at_the_tmp_name_after_it_was_cleared_is_not_written_through(
-        tmp_path, monkeypatch):
-    (tmp_path / "precious.txt").write_text("work")
-    (tmp_path / "metrics.jsonl.tmp").symlink_to(tmp_path / "precious.txt")
-    # The link came back between the unlink and the open: a race.
-    monkeypatch.setattr(os, "unlink", lambda path: None)
-    with pytest.raises(FileExistsError):
-        amp_train.replace_file(str(tmp_path / "metrics.jsonl"), b"lines")
-    assert (tmp_path / "precious.txt").read_text() == "work", "a link was written through"
-
+# ---------- the run folder: one run owns it, and a resume goes on as the run was
 
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_writes_nothing(tmp_path, capsys):
     import fcntl
@@ -1349,25 +1232,51 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_writes_nothing(tmp_pa
     before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     # The lock a live run holds: flock on the folder.
     live = os.open(tmp_path, os.O_RDONLY)
-    descriptors = len(os.listdir("/proc/self/fd"))
     try:
         fcntl.flock(live, fcntl.LOCK_EX)
         for argv in ([], ["--resume"]):
             assert "another run is using" in run_bad(run + ["--epochs", "3"] + argv, capsys)
     finally:
         os.close(live)
-    assert len(os.listdir("/proc/self/fd")) == descriptors - 1, "a refused run kept its lock's"
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before, "it wrote"
     # The refused runs let the folder go: once the live run is gone, the next one may take it.
     ok(run + ["--epochs", "3", "--resume"])
+
+
+def test_where_the_filesystem_has_no_locks_the_run_goes_on_with_a_note(tmp_path, monkeypatch,
+                                                                       capsys):
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(37, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    ok(LINEAR + ["--epochs", "2", "--run-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "cannot be locked here (No locks available): one run at a time" in out, out
+    assert load(tmp_path / "checkpoint.pt")["epoch"] == 2
 
 
 def test_a_new_run_never_overwrites_a_checkpoint(tmp_path, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
     ok(run + ["--epochs", "2"])
     before = files_of(tmp_path)
-    assert "add --resume" in run_bad(run + ["--epochs", "3"], capsys)
+    assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "3"], capsys)
     assert files_of(tmp_path) == before
+
+
+@pytest.mark.parametrize("where,says", [("empty", "nothing to resume in"),
+                                        ("missing", "nothing to resume in"),
+                                        ("a file", "is a file, not a folder")])
+def test_a_run_dir_with_nothing_to_resume_or_that_is_a_file_ends_in_one_line(where, says,
+                                                                            tmp_path, capsys):
+    path = tmp_path / "run"
+    if where == "empty":
+        path.mkdir()
+    if where == "a file":
+        path.write_text("notes")
+    err = run_bad(LINEAR + ["--run-dir", str(path), "--resume"], capsys)
+    assert says in err and str(path) in err, err
+    assert where != "missing" or not path.exists(), "a resume made the folder"
 
 
 def test_a_resume_with_nothing_to_do_writes_nothing(tmp_path, capsys):
@@ -1379,52 +1288,39 @@ def test_a_resume_with_nothing_to_do_writes_nothing(tmp_path, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
 
 
-def test_a_resume_into_a_folder_that_is_not_there_creates_nothing(tmp_path, capsys):
-    typo = tmp_path / "typo"
-    assert "No such file" in run_bad(LINEAR + ["--run-dir", str(typo), "--resume"], capsys)
-    assert not typo.exists()
-
-
-def test_metrics_without_a_checkpoint_are_kept_and_named(tmp_path, capsys):
-    run = LINEAR + ["--run-dir", str(tmp_path)]
-    ok(run + ["--epochs", "2"])
-    (tmp_path / "checkpoint.pt").unlink()
-    err = run_bad(run + ["--epochs", "2"], capsys)
-    assert err.endswith(f"no checkpoint: delete {tmp_path / 'metrics.jsonl'}\n"), err
-    assert "run without --resume" in run_bad(run + ["--resume"], capsys)
-    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2, "the metrics changed"
-
-
-def test_a_resume_keeps_the_checkpoints_flags_and_example(tmp_path, capsys):
-    ok(LINEAR + ["--run-dir", str(tmp_path), "--epochs", "3", "--lr", "5e-324",
-                 "--batch-size", "16", "--precision", "fp32", "--clip-grad-norm", "1",
-                 "--max-steps", "5"])
+def test_a_resume_goes_on_with_the_checkpoints_flags_and_keeps_only_those_that_apply(
+        tmp_path, capsys):
+    ok(LINEAR + ["--run-dir", str(tmp_path), "--epochs", "3", "--lr", "0.002",
+                 "--batch-size", "16", "--precision", "fp32", "--clip-grad-norm", "1"])
     ok(["--device", "cpu", "--run-dir", str(tmp_path), "--epochs", "4", "--resume"])
     out = capsys.readouterr().out
-    assert "note:" not in out and "| lr 4.941e-324 |" in out, out
+    assert "note:" not in out and "| lr 0.002 |" in out, out
     assert "example linear" in out and "precision fp32" in out and "batch 16" in out, out
-    saved = load(tmp_path / "checkpoint.pt")["args"]
-    assert (saved["batch_size"], saved["clip_grad_norm"], saved["max_steps"]) == (16, 1.0, 5)
+    assert load(tmp_path / "checkpoint.pt")["args"] == {
+        "example": "linear", "precision": "fp32", "batch_size": 16, "seed": 0, "epochs": 4,
+        "lr": 0.002, "clip_grad_norm": 1.0, "accum_steps": 1}
 
 
 def test_a_flag_given_again_on_resume_replaces_the_checkpoints_with_a_note(tmp_path, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
-    ok(run + ["--epochs", "3", "--clip-grad-norm", "1", "--max-steps", "5"])
-    ok(run + ["--epochs", "4", "--resume", "--clip-grad-norm", "0", "--max-steps", "0",
-              "--lr", "0.05"])
+    ok(run + ["--epochs", "3", "--clip-grad-norm", "1"])
+    ok(run + ["--epochs", "4", "--resume", "--clip-grad-norm", "0", "--lr", "0.05"])
     out = capsys.readouterr().out
     assert "note: --clip-grad-norm 0.0 replaces the checkpoint's 1.0" in out, out
     assert "note: --lr 0.05 replaces the checkpoint's 0.01" in out and lrs_of(out)[-1] == 0.05
-    saved = load(tmp_path / "checkpoint.pt")["args"]
-    assert (saved["clip_grad_norm"], saved["max_steps"]) == (0.0, 0), "a limit can go"
+    assert load(tmp_path / "checkpoint.pt")["args"]["clip_grad_norm"] == 0.0, "a limit can go"
 
 
-def test_another_data_set_on_resume_is_refused(tmp_path, capsys):
-    run = RESNET + ["--max-steps", "1", "--run-dir", str(tmp_path)]
+@pytest.mark.parametrize("first,then,says", [
+    (RESNET, ["--data", "cifar10"], "the run to resume is --data synthetic: resume it without"),
+    (LINEAR, ["--example", "resnet"], "the run to resume is --example linear: resume it"),
+    (LINEAR, ["--data", "synthetic"], "--data is for --example resnet")])
+def test_another_example_or_data_set_on_resume_is_refused(first, then, says, tmp_path, capsys):
+    run = first + ["--max-steps", "1"] * (first is RESNET) + ["--run-dir", str(tmp_path)]
     ok(run + ["--epochs", "1"])
     before = files_of(tmp_path)
-    err = run_bad(run + ["--epochs", "2", "--resume", "--data", "cifar10"], capsys)
-    assert "trained on --data synthetic" in err and files_of(tmp_path) == before, err
+    err = run_bad(run + ["--epochs", "2", "--resume"] + then, capsys)
+    assert says in err and files_of(tmp_path) == before, err
 
 
 @pytest.mark.parametrize("first,then", [("fp16", "bf16"), ("bf16", "fp16"), ("fp16", "fp32")])
@@ -1437,76 +1333,12 @@ def test_a_run_resumes_in_another_precision(first, then, tmp_path, capsys):
     assert re.findall(r"scale (\d+)", out)[2:] == ["65536" if then == "fp16" else "1"] * 2, out
 
 
-def test_a_folder_whose_name_is_not_utf8_trains_and_resumes_under_a_strict_utf8_stdout(tmp_path):
-    folder = os.path.join(os.fsencode(tmp_path), b"run-\xff\n")
-    argv = [*LINEAR, "--epochs", "1", "--run-dir", os.fsdecode(folder)]
-    for extra in ([], ["--epochs", "2", "--resume"]):
-        done = subprocess.run([sys.executable, SCRIPT, *argv, *extra], capture_output=True,
-                              env={**os.environ, "PYTHONIOENCODING": "utf-8"})
-        assert done.returncode == 0 and done.stderr == b"", done.stderr
-    out = done.stdout.decode()
-    assert re.search(r"^resumed from .*run-\\udcff\\x0a after epoch 1$", out, re.M), out
-    assert load(os.fsdecode(os.path.join(folder, b"checkpoint.pt")))["epoch"] == 2
-
-
 # ---------- torchrun's processes
 
 def torchrun_env(port, rank=0):
     return {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1"}
-
-
-def test_world_size_without_torchruns_other_variables_is_refused(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert "use torchrun" in run_bad(LINEAR, capsys)
-
-
-def test_a_port_in_use_ends_in_one_line_and_exit_3(monkeypatch, capsys):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        for key, value in torchrun_env(taken.getsockname()[1]).items():
-            monkeypatch.setenv(key, value)
-        assert "EADDRINUSE" in run_bad(LINEAR, capsys, status=3)
-
-
-def test_a_peer_that_never_comes_ends_in_one_line_and_exit_3(monkeypatch, capsys):
-    monkeypatch.setattr(amp_train, "DIST_TIMEOUT", amp_train.datetime.timedelta(seconds=1))
-
-    def alone(port):
-        for key, value in torchrun_env(port).items():
-            monkeypatch.setenv(key, value)
-        return run_bad(LINEAR, capsys, status=3)
-    assert "1/2 clients joined" in retry_if_the_port_was_taken(alone)
-
-
-@pytest.mark.parametrize("run_id,same_store", [("none", True), ("a-uuid", False)])
-def test_every_round_of_one_launch_names_the_same_job_and_another_launch_another(
-        run_id, same_store, monkeypatch):
-    calls, dist = [], torch.distributed
-    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append((a, k)))
-    for key, value in {**torchrun_env(1, rank=1), "TORCHELASTIC_RUN_ID": run_id,
-                       "TORCHELASTIC_RESTART_COUNT": "0"}.items():
-        monkeypatch.setenv(key, value)
-
-    def job(store, device=CPU):
-        monkeypatch.setattr(dist, "rendezvous", lambda url, timeout: iter([(store, 1, 2)]))
-        return amp_train.join_processes(device)
-    store = dist.HashStore()
-    first = job(store, torch.device("cuda", 1))
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
-    # A static rendezvous keeps its store for all rounds; c10d may give each round its own.
-    if not same_store:
-        store = dist.HashStore()
-    assert job(store) == first, "a restart found another name"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id.replace("a-uuid", "another-uuid"))
-    assert job(dist.HashStore()) != first, "another launch took this one's name"
-    timeout = amp_train.DIST_TIMEOUT
-    assert [(a, k["device_id"], k["rank"], k["world_size"], k["timeout"]) for a, k in calls[:2]] \
-        == [(("nccl",), torch.device("cuda", 1), 1, 2, timeout), (("gloo",), None, 1, 2, timeout)]
-    calls[1][1]["store"].set("key", "value")
-    assert store.get("round3/key") == b"value", "a round read the last round's keys"
 
 
 def ddp_worker(rank, argv, out_dir, port):
@@ -1545,49 +1377,37 @@ def run_two_processes(argv, out_dir):
     return retry_if_the_port_was_taken(run)
 
 
-def test_two_processes_train_alike_and_rank_0_alone_prints(tmp_path):
-    run = RESNET + ["--epochs", "2", "--max-steps", "1", "--run-dir", str(tmp_path / "run")]
-    rank0, rank1 = run_two_processes(run, tmp_path)
+def test_two_processes_go_on_from_one_each_on_its_share_and_rank_0_alone_prints(tmp_path):
+    run = RESNET + ["--max-steps", "1", "--run-dir", str(tmp_path / "run")]
+    ok(run + ["--epochs", "1"])
+    rank0, rank1 = run_two_processes(run + ["--epochs", "3", "--resume"], tmp_path)
     assert rank0["code"] == rank1["code"] == 0 and rank0["left"] and rank1["left"], rank0["err"]
     assert rank1["out"] == rank1["err"] == "", "rank 1 printed"
-    assert "| processes 2 |" in rank0["out"] and "epoch 2/2" in rank0["out"], rank0["out"]
+    assert "| processes 2 |" in rank0["out"] and "epoch 3/3" in rank0["out"], rank0["out"]
     # The weights, and the BatchNorm statistics that all test with.
     for name, tensor in rank0["state"].items():
         assert torch.equal(tensor, rank1["state"][name]), f"{name} differs between ranks"
     # Each epoch's train loss is the mean over both processes' samples, each on its own share.
-    for epoch, record in enumerate(read_metrics(tmp_path / "run" / "metrics.jsonl")):
-        own = [rank["trained"][epoch] for rank in (rank0, rank1)]
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["processes"] for r in records] == [1, 2, 2], records
+    for record, *own in zip(records[1:], rank0["trained"], rank1["trained"]):
         mean = sum(s["loss"] * s["samples"] for s in own) / sum(s["samples"] for s in own)
         assert own[0]["loss"] != pytest.approx(own[1]["loss"]), own
         assert record["train_loss"] == pytest.approx(mean), (record, own)
 
 
-def test_a_mistake_every_process_finds_is_said_once(tmp_path):
-    rank0, rank1 = run_two_processes(RESNET + ["--batch-size", "300"], tmp_path)
-    assert rank0["code"] == rank1["code"] == 2, (rank0, rank1)
-    assert rank0["err"].count("\n") == 1 and "more than each process's 128" in rank0["err"]
-    assert rank1["out"] == rank1["err"] == "", "rank 1 said it again"
-
-
-def test_a_folder_another_run_holds_is_said_once_under_torchrun(tmp_path):
+def test_a_folder_another_run_holds_is_said_once_and_stops_every_process(tmp_path):
     import fcntl
     (tmp_path / "run").mkdir()
     live = os.open(tmp_path / "run", os.O_RDONLY)
     try:
         fcntl.flock(live, fcntl.LOCK_EX)
-        argv = LINEAR + ["--run-dir", str(tmp_path / "run")]
-        rank0, rank1 = run_two_processes(argv, tmp_path)
+        rank0, rank1 = run_two_processes(LINEAR + ["--run-dir", str(tmp_path / "run")],
+                                         tmp_path)
     finally:
         os.close(live)
     assert rank0["code"] == rank1["code"] == 2 and "another run is using" in rank0["err"]
     assert rank1["err"] == "", rank1["err"]
-
-
-def test_the_memory_example_under_torchrun_says_in_one_line_that_it_measures_one_process(
-        monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    err = run_bad(["--device", "cpu", "--example", "memory"], capsys)
-    assert "run it without torchrun" in err, err
 
 
 def group_worker(rank, out_dir, port):
@@ -1625,142 +1445,68 @@ def test_ddp_all_reduces_once_a_step_and_accumulates_as_one_process_on_both_shar
         assert all_reduces == 2 and torch.allclose(weight, model.weight, atol=1e-6)
 
 
-def test_a_checkpoint_resumes_under_another_process_count(tmp_path):
-    run = LINEAR + ["--precision", "fp32", "--run-dir", str(tmp_path / "run")]
-    ok(run + ["--epochs", "1"])
-    rank0, _ = run_two_processes(run + ["--epochs", "2", "--resume"], tmp_path)
-    assert rank0["code"] == 0 and "| batch 128 | accum 1 | processes 2 |" in rank0["out"]
-    ok(run + ["--epochs", "3", "--resume"])
-    ok(LINEAR + ["--precision", "fp32", "--epochs", "3", "--run-dir", str(tmp_path / "alone")])
-    mixed, alone = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("run", "alone"))
-    assert [r["processes"] for r in mixed] == [1, 2, 1], mixed
-    assert [r["train_loss"] for r in mixed] == pytest.approx([r["train_loss"] for r in alone])
+@pytest.mark.parametrize("run_id,same", [("3f2a-uuid", True), ("none", False)])
+def test_a_launch_is_named_by_torchruns_rendezvous_id_and_a_static_ones_by_none(run_id, same,
+                                                                                monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    names = {amp_train.join_processes(CPU) for _ in range(2)}
+    assert (names == {run_id}) == same and len(names) == 2 - same, names
+
+
+def test_a_new_run_never_takes_another_launchs_checkpoint_but_a_restart_takes_its_own(tmp_path):
+    ok(LINEAR + ["--epochs", "1", "--run-dir", str(tmp_path)])
+    job = load(tmp_path / "checkpoint.pt")["job"]
+    with pytest.raises(amp_train.UsageError, match="holds a checkpoint: add --resume"):
+        amp_train.RunFolder(str(tmp_path), False, "another launch")
+    folder = amp_train.RunFolder(str(tmp_path), False, job)
+    folder.close()
+    assert folder.state["epoch"] == 1
 
 
 DIES = """import os, signal, sys
 sys.path.insert(0, {here!r})
 import amp_train
-calls, real = [], amp_train.{name}
+calls, real = [], amp_train.replace_file
 def dying(*args, **kwargs):
     calls.append(args[0])
-    if {when}:
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and len(calls) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*args, **kwargs)
-amp_train.{name} = dying
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, amp_train.stop)
-    signal.signal(signal.SIGTERM, amp_train.stop)
-    status = amp_train.main(sys.argv[1:])
-    amp_train.ignore_signals()
-    with open(os.path.join(os.path.dirname(__file__), f"exit{{os.environ.get('RANK')}}"), "w") as f:
-        f.write(str(status))
-    sys.exit(status)
+amp_train.replace_file = dying
+sys.exit(amp_train.main(sys.argv[1:]))
 """
 
 
-def test_a_peer_killed_mid_run_ends_the_survivor_in_one_line_naming_what_is_saved(tmp_path):
-    dies = tmp_path / "dies.py"
-    dies.write_text(DIES.format(here=str(HERE), name="train_epoch", when="len(calls) == 3"))
-    argv = [*LINEAR, "--epochs", "1000", "--run-dir", str(tmp_path / "run")]
-
-    def run(port):
-        survivor = script(*argv, **torchrun_env(port))
-        dying = subprocess.run([sys.executable, dies, *argv], capture_output=True, timeout=120,
-                               env={**os.environ, **torchrun_env(port, 1)})
-        return survivor.communicate(timeout=120)[1], survivor.returncode, dying.returncode
-    err, status, died = retry_if_the_port_was_taken(run)
-    assert (died, status) == (-signal.SIGKILL, 3), (died, status, err)
-    assert re.fullmatch(rf"error: the process group failed \(.*Connection.*\); "
-                        rf"{re.escape(str(tmp_path / 'run'))} holds epoch 2\n", err), err
-
-
-def torchrun(tmp_path, *argv, script=SCRIPT, max_restarts=0, rendezvous=("--standalone",),
-             **env):
-    """torchrun with two CPU processes, as a user starts it."""
-    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node=2",
-               f"--max-restarts={max_restarts}", script, "--device", "cpu", *argv]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=tmp_path, start_new_session=True, env={**os.environ, **env})
-    try:
-        out, err = process.communicate(timeout=120)
-        return subprocess.CompletedProcess(command, process.returncode, out, err)
-    except subprocess.TimeoutExpired:
-        # torchrun and its workers: none may outlive the test.
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-
-
-# torchrun's SIGTERM to a survivor may come at any moment: here, as its last line is formed.
-SIGTERM_IN_HOLDS = """real_holds = amp_train.RunFolder.holds
-def holds(self):
-    os.kill(os.getpid(), signal.SIGTERM)
-    return real_holds(self)
-amp_train.RunFolder.holds = holds
-"""
-
-
-def test_under_torchrun_a_dead_peer_ends_the_survivor_in_one_line_and_exit_3_or_143(tmp_path):
-    (tmp_path / "dies.py").write_text(DIES.format(
-        here=str(HERE), name="train_epoch", when="os.environ['RANK'] == '1' and len(calls) == 3"
-    ).replace("if __name__", SIGTERM_IN_HOLDS + "if __name__"))
-    done = torchrun(tmp_path, *LINEAR[2:], "--epochs", "100000", "--run-dir", "run",
-                    script=str(tmp_path / "dies.py"))
-    # torchrun's agent prints a traceback of its own; the survivor prints one line, no more.
-    assert 'amp_train.py", line' not in done.stderr and 'dies.py", line' not in done.stderr
-    errors = re.findall(r"^error: .*$", done.stderr, re.M)
-    assert len(errors) == 1 and ("the process group failed" in errors[0]
-                                 or "stopped by SIGTERM" in errors[0]), done.stderr
-    # torch 2.6's torchrun does not report the survivor it stopped: it says its own status.
-    assert (tmp_path / "exit0").read_text() in ("3", "143"), done.stderr
-
-
-def test_torchrun_restarts_go_on_from_their_jobs_checkpoint_and_a_new_job_takes_nothing(
-        tmp_path):
-    # kill -9 in round 0, after epoch 1's metrics, before its checkpoint: round 1 goes on
-    # from its job's checkpoint of epoch 0 without --resume, and rewrites the metrics.
-    (tmp_path / "dies.py").write_text(DIES.format(here=str(HERE), name="replace_file", when=(
-        "os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and len(calls) == 3")))
-    argv = ["--example", "linear", "--precision", "fp32", "--epochs", "4", "--run-dir", "run"]
-    done = torchrun(tmp_path, *argv, script=str(tmp_path / "dies.py"), max_restarts=1)
+def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(tmp_path):
+    # kill -9 in round 0 after epoch 1's training, before its checkpoint is written: round
+    # 1 goes on from epoch 0's without --resume, and writes the metrics anew.
+    (tmp_path / "dies.py").write_text(DIES.format(here=str(HERE)))
+    argv = ["--device", "cpu", "--example", "linear", "--precision", "fp32", "--epochs", "3",
+            "--run-dir", "run"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "--max-restarts=1", "dies.py", *argv]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 0 and done.stderr.count("exitcode: -9") == 1, done.stderr
-    assert len(re.findall(r"^epoch 1/4 ", done.stdout, re.M)) == 2, done.stdout
     assert re.search(r"^resumed from run after epoch 0$", done.stdout, re.M), done.stdout
-    assert [r["epoch"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
-    ok(LINEAR + ["--precision", "fp32", "--epochs", "4", "--run-dir", str(tmp_path / "a")])
+    assert [r["epoch"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    ok(LINEAR + ["--precision", "fp32", "--epochs", "3", "--run-dir", str(tmp_path / "a")])
     restarted, alone = (load(tmp_path / name / "checkpoint.pt")["model"] for name in ("run", "a"))
     assert all(torch.allclose(restarted[k], alone[k], atol=1e-6) for k in alone), restarted
-    # A static rendezvous names every job "none": the name comes from torchrun's store.
-    before = files_of(tmp_path / "run")
-    second = retry_if_the_port_was_taken(lambda port: torchrun(
-        tmp_path, *argv[:-3], "6", "--run-dir", "run", rendezvous=("--master-port", str(port))))
-    assert second.stderr.count("holds a checkpoint: add --resume") == 1, second.stderr
-    assert re.search(r"exitcode *: 2 ", second.stderr), second.stderr
-    assert 'amp_train.py", line' not in second.stderr, "a worker ended in a traceback"
-    assert files_of(tmp_path / "run") == before, "the other job's files changed"
 
 
-def test_a_restart_goes_on_when_each_round_has_a_rendezvous_store_of_its_own(tmp_path):
-    (tmp_path / "dies.py").write_text(DIES.format(here=str(HERE), name="replace_file", when=(
-        "os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' and len(calls) == 5")))
-    argv = ["--example", "linear", "--precision", "fp32", "--epochs", "3", "--run-dir", "run"]
-    done = torchrun(tmp_path, *argv, script=str(tmp_path / "dies.py"), max_restarts=1,
-                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    assert done.returncode == 0 and "add --resume" not in done.stderr, done.stderr
-    assert [r["epoch"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
-
-
-# ---------- errors and signals, and the command line
+# ---------- errors, and the command line
 
 @pytest.mark.parametrize("argv", [
     ["--example", "nope"], ["--precision", "fp8"], ["--epochs", "0"], ["--batch-size", "0"],
-    ["--max-steps", "-1"], ["--epochs", str(2**31)], ["--lr", "0"], ["--lr", "nan"],
-    ["--lr", "1e39", "is not in [5e-324, 3.4028234663852886e+38]"], ["--clip-grad-norm", "-1"],
-    ["--accum-steps", "1" + "0" * 30], ["--seed", "4294967296", "is not in [0, 4294967295]"],
-    ["--no-such-flag"], ["--example", "memory", "--steps", "0"],
-    ["--example", "memory", "--run-dir", "x"], ["--device", "cpu", "--resume"],
+    ["--max-steps", "-1"], ["--lr", "0", "argument --lr: must be more than 0, not 0"], ["--lr", "nan"],
+    ["--clip-grad-norm", "-1"], ["--accum-steps", "1" + "0" * 30],
+    ["--seed", "4294967296", "must be from 0 to 2**32 - 1"], ["--no-such-flag"],
+    ["--example", "memory", "--steps", "0"], ["--device", "cpu", "--resume"],
+    ["--example", "memory", "--run-dir", "x", "--run-dir is for --example resnet and linear"],
+    ["--example", "linear", "--model", "vit_b_16", "--model is for --example memory"],
+    ["--example", "linear", "--max-steps", "3", "--max-steps is for --example resnet"],
     ["--example", "memory", "--precision", "fp32"],
-    ["--run-dir", "", "--device", "cpu", "--example", "linear", "No such file"],
-    RESNET + ["--batch-size", "10001"]])
+    RESNET + ["--batch-size", "10001", "more than each process's 10000 training images"]])
 def test_a_bad_flag_ends_in_one_line_before_any_training(argv, capsys):
     says = ""
     if " " in argv[-1]:
@@ -1768,156 +1514,46 @@ def test_a_bad_flag_ends_in_one_line_before_any_training(argv, capsys):
     assert says in run_bad(argv, capsys) and "epoch" not in capsys.readouterr().out
 
 
-def test_the_help_gives_every_flag_a_text_and_its_true_default(capsys):
+def test_the_help_gives_every_flag_a_text(capsys):
     with pytest.raises(SystemExit):
         amp_train.parse_args(["--help"])
     # Each flag's entry: its line, and the deeper-indented lines that go on with its help.
     entries = re.split(r"\n(?=  -)", capsys.readouterr().out.split("options:\n")[1])
-    lines = [re.fullmatch(r"\s*(?:-h, )?(--[a-z-]+)(?: \S+)?\s+(.*)", " ".join(entry.split()))
-             .groups() for entry in entries]
-    helps, defaults = dict(lines), vars(amp_train.parse_args([]))
-    assert sorted(key[2:].replace("-", "_") for key in helps) == sorted(["help", *defaults])
-    for flag, help in lines:
-        default = defaults.get(flag[2:].replace("-", "_"))
-        shown = {None: "none"}.get(default, default)
-        assert flag in ("--help", "--resume") or help.endswith(f"(default: {shown})"), help
-        assert "None" not in help and "False" not in help, help
-    assert "0: off" in helps["--max-steps"] and "0: off" in helps["--clip-grad-norm"], helps
+    helps = dict(re.fullmatch(r"\s*(?:-h, )?(--[a-z-]+)(?: \S+)?\s+(.*)", " ".join(e.split()))
+                 .groups() for e in entries)
+    assert sorted(key[2:].replace("-", "_") for key in helps) == sorted(
+        ["help", *vars(amp_train.parse_args([]))])
+    assert "0: off (default: 0)" in helps["--max-steps"], helps
 
 
-@pytest.mark.parametrize("error", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
-    RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 4e10 bytes")])
-def test_out_of_memory_ends_in_one_line_that_says_lower_the_batch(error, monkeypatch, capsys):
-    def build(*args):
-        raise error
-    monkeypatch.setattr(amp_train, "build_example", build)
-    assert "lower --batch-size" in run_bad(LINEAR, capsys)
-
-
-def test_under_torchrun_a_process_says_its_own_out_of_memory_but_not_a_shared_mistake(
-        monkeypatch, capsys):
-    monkeypatch.setenv("RANK", "1")
-
+def test_out_of_gpu_memory_ends_in_one_line_that_says_lower_the_batch(monkeypatch, capsys):
     def build(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     monkeypatch.setattr(amp_train, "build_example", build)
     assert "lower --batch-size" in run_bad(LINEAR, capsys)
-    assert amp_train.main(LINEAR + ["--batch-size", "0"]) == 2
-    assert capsys.readouterr().err == "", "rank 1 said what rank 0 says"
 
 
-@pytest.mark.parametrize("error", [ZeroDivisionError, KeyboardInterrupt, RuntimeError])
-def test_a_bug_or_a_plain_keyboardinterrupt_passes_main_with_its_traceback(error, monkeypatch):
+def test_ctrl_c_ends_in_one_line_that_names_the_epoch_saved(tmp_path, monkeypatch, capsys):
+    calls, real = [], amp_train.train_epoch
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(amp_train, "train_epoch", interrupted)
+    err = run_bad(LINEAR + ["--epochs", "5", "--run-dir", str(tmp_path)], capsys, status=130)
+    assert err == f"error: stopped by Ctrl-C; {tmp_path} holds epoch 2\n", err
+    assert load(tmp_path / "checkpoint.pt")["epoch"] == 2
+
+
+@pytest.mark.parametrize("error", [ZeroDivisionError, RuntimeError, ValueError])
+def test_a_bug_passes_main_with_its_traceback(error, monkeypatch):
     def build(*args):
         raise error("a bug")
     monkeypatch.setattr(amp_train, "build_example", build)
     with pytest.raises(error):
         amp_train.main(LINEAR)
-
-
-def first_epoch_line(run):
-    """Reads the run's stdout until its first epoch line: training is under way."""
-    for line in run.stdout:
-        if line.startswith("epoch "):
-            return line
-    raise AssertionError(run.stderr.read())
-
-
-def test_ctrl_c_and_sigterm_end_a_run_in_one_line_naming_the_epoch_saved(tmp_path):
-    signals = {"SIGTERM": [signal.SIGTERM], "SIGINT": [signal.SIGINT] * 4}
-    runs = {name: script(*LINEAR, "--epochs", "100000", "--run-dir", str(tmp_path / name))
-            for name in signals}
-    for name, run in runs.items():
-        first_epoch_line(run)
-        # More signals, a few ms apart, land in the cleanup: they change nothing.
-        for signum in signals[name]:
-            run.send_signal(signum)
-            time.sleep(0.003)
-    for name, run in runs.items():
-        # communicate() would skip the lines read.
-        out, err = run.stdout.read(), run.stderr.read()
-        run.wait(timeout=60)
-        saved = load(tmp_path / name / "checkpoint.pt")["epoch"]
-        assert err == f"error: stopped by {name}; {tmp_path / name} holds epoch {saved}\n", err
-        assert run.returncode == 128 + signals[name][0], run.returncode
-        bad = [x for x in out.splitlines() if not re.fullmatch(r"epoch +\d+/100000 \|.* s", x)]
-        assert not bad and not list((tmp_path / name).glob("*.tmp")), bad
-
-
-def test_ctrl_c_during_the_memory_example_says_what_it_stopped():
-    run = script("--device", "cpu", "--example", "memory", "--model", "linear", "--steps",
-                 "100000000")
-    assert run.stdout.readline().startswith("memory | ")
-    run.stdout.readline()
-    time.sleep(0.5)
-    run.send_signal(signal.SIGINT)
-    out, err = run.communicate(timeout=60)
-    assert err == "error: stopped by SIGINT; the memory example stopped before its report\n"
-    assert run.returncode == 130, run.returncode
-
-
-def test_a_signal_as_the_error_line_is_said_changes_neither_the_line_nor_the_exit_status(
-        tmp_path):
-    # As torchrun's SIGTERM does, sent to the survivors of a dead peer.
-    (tmp_path / "late.py").write_text(DIES.format(
-        here=str(HERE), name="say", when="args[0].startswith('error:')").replace(
-        "signal.SIGKILL", "signal.SIGTERM"))
-    done = subprocess.run([sys.executable, tmp_path / "late.py", *LINEAR, "--batch-size", "0"],
-                          capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (2, "error: argument --batch-size: 0 is not in "
-                                                 "[1, 2147483647] (see --help)\n"), done.stderr
-
-
-def test_a_stop_that_code_swallowed_is_raised_again_at_the_next_step(tmp_path):
-    # As pybind11 turns a KeyboardInterrupt in triton's import, on torch's first zero_grad(),
-    # into an ImportError that torch takes for "no triton". The run must still stop.
-    (tmp_path / "swallows.py").write_text(DIES.format(
-        here=str(HERE), name="train_epoch", when="len(calls) == 2").replace(
-        "os.kill(os.getpid(), signal.SIGKILL)", """try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(5)
-        except KeyboardInterrupt:
-            pass""").replace("import os,", "import os, time,"))
-    done = subprocess.run([sys.executable, tmp_path / "swallows.py", *LINEAR, "--run-dir",
-                           tmp_path / "run"], capture_output=True, text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (
-        130, f"error: stopped by SIGINT; {tmp_path / 'run'} holds epoch 1\n"), done.stderr
-
-
-def test_a_signal_in_importlibs_own_code_stops_the_run_at_its_first_step(tmp_path):
-    # A Stopped raised there would be printed as "Exception ignored" and dropped: the handler
-    # leaves it to the next step. The sleep returns to the handler in importlib's frame.
-    (tmp_path / "importing.py").write_text(f"""import os, signal, sys, time
-sys.path.insert(0, {str(HERE)!r})
-import amp_train
-signal.signal(signal.SIGINT, amp_train.stop)
-exec(compile("os.kill(os.getpid(), signal.SIGINT); time.sleep(0.5)",
-             "<frozen importlib._bootstrap>", "exec"))
-sys.exit(amp_train.main({LINEAR!r}))
-""")
-    done = subprocess.run([sys.executable, tmp_path / "importing.py"], capture_output=True,
-                          text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (130, f"error: stopped by SIGINT; {NOTHING_SAVED}\n")
-    assert "epoch " not in done.stdout, done.stdout
-
-
-def test_a_sigterm_after_the_last_epoch_changes_nothing():
-    # An atexit hook stands in for torch's teardown, slow after main() returns.
-    teardown = "lambda: print('teardown', file=sys.stderr, flush=True) or time.sleep(2)"
-    run = subprocess.Popen([sys.executable, "-c", f"import atexit, runpy, sys, time; atexit."
-                            f"register({teardown}); sys.argv = [{SCRIPT!r}, *{LINEAR!r}]; "
-                            "runpy.run_path(sys.argv[0], run_name='__main__')"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert run.stderr.readline() == "teardown\n"
-    run.send_signal(signal.SIGTERM)
-    out, err = run.communicate(timeout=60)
-    assert (run.returncode, err) == (0, "") and "epoch 100/100" in out, (run.returncode, err)
-
-
-def test_say_writes_one_printable_line_whatever_a_name_holds(capsys):
-    amp_train.say("resumed from run-\udcff\n\x1b[31m after epoch 1")
-    assert capsys.readouterr().out == "resumed from run-\\udcff\\x0a\\x1b[31m after epoch 1\n"
 
 
 @requires_cuda
