@@ -5,12 +5,12 @@ GPU (fp16 with a GradScaler, or bf16) or a CPU (bf16), with fp32 as the baseline
     python amp_train.py --example linear    # the post's Linear(10, 1) on one fixed batch
     python amp_train.py --example resnet    # ResNet18 on CIFAR-10 (--data synthetic offline)
     python amp_train.py --example memory    # fp32 and AMP side by side: memory, speed, verdict
-    python amp_train.py --example memory --model mobilenet_v3_small   # any torchvision model
+    python amp_train.py --example memory --model mobilenet_v3_small   # torchvision's models
     torchrun --nproc_per_node=2 amp_train.py --example resnet         # several GPUs, DDP
 
 Part I is the AMP lesson. train_epoch, first below, is the part to copy; measure_amp measures
 what AMP buys on a model of your own. Part II keeps long runs safe: the run folder, torchrun's
-processes, errors and signals. A reader who came for AMP can stop where Part II begins.
+processes, and errors. A reader who came for AMP can stop where Part II begins.
 """
 import argparse
 import contextlib
@@ -43,17 +43,17 @@ PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 # cores; bf16 on a CPU's AMX or AVX512-BF16 instructions. A CPU without them emulates bf16,
 # slower than fp32: --precision auto trains in fp32 there, and says so.
 AMP_PRECISION = {"cuda": "fp16", "cpu": "bf16"}
-NO_BF16 = "this CPU has no bf16 instructions (AMX, AVX512-BF16)"
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+# CIFAR-10's mean and standard deviation, by channel.
+CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 # The memory example's untimed warm-up steps (the first ones allocate memory and pick
 # kernels), then its timed ones. A median step over 1.3 times the fastest means that
 # something else used the device meanwhile.
 MEMORY_WARMUP_STEPS = 3
 MEMORY_STEPS = 20
 NOISY_SPREAD = 1.3
-# Its table's units, by the last word of a row's name: MiB, ms, samples/s.
-REPORT_UNITS = {"bytes": (2**20, "MiB"), "seconds": (1e-3, "ms"), "second": (1, "/s")}
+# Its table's units, by the last word of a row's name, largest first.
+UNITS = {"bytes": [(2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")],
+         "seconds": [(1e-3, "ms")], "second": [(1, "/s")]}
 # torchvision's googlenet and inception_v3 also return auxiliary logits in training, which a
 # plain loss cannot take, and warn that their default initialization will change.
 TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
@@ -64,15 +64,12 @@ PROGRESS_SECONDS = 15
 # Part II's: the flags that mean something to some examples only (any other refuses them),
 # and those a training run keeps in its checkpoint, which a resumed run goes on with.
 EXAMPLES = ("resnet", "linear", "memory")
-TRAINING = ("resnet", "linear")
-FLAG_EXAMPLES = {"epochs": TRAINING, "lr": TRAINING, "clip_grad_norm": TRAINING,
-                 "accum_steps": TRAINING, "run_dir": TRAINING, "resume": TRAINING,
-                 "data": ("resnet",), "data_root": ("resnet",), "max_steps": ("resnet",),
-                 "model": ("memory",), "steps": ("memory",)}
+FLAG_EXAMPLES = {"data": ["resnet"], "data_root": ["resnet"], "max_steps": ["resnet"],
+                 "model": ["memory"], "steps": ["memory"], **dict.fromkeys(
+                     ["epochs", "lr", "clip_grad_norm", "accum_steps", "run_dir", "resume"],
+                     ["resnet", "linear"])}
 RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip_grad_norm",
              "accum_steps", "data", "max_steps")
-# fp16 cannot go on once its loss scale falls 32 halvings under 2**16: see epoch_problem.
-MIN_LOSS_SCALE = 2.0**-16
 
 # ====================================================================================
 # Part I: the AMP lesson
@@ -81,32 +78,47 @@ MIN_LOSS_SCALE = 2.0**-16
 # ---------- the part to copy: train_epoch, its companion to_device, and evaluate
 
 def to_device(batch, device):
-    """A batch's (inputs, targets) tensors, moved to `device`. Any other batch (a dict, or
-    inputs that are a tuple) is refused with a pointer to README's adapters."""
+    """A batch's (inputs, targets) tensors, moved to `device`. Any other batch (a dict, inputs
+    that are a tuple), or one of 0 samples, whose mean loss is NaN, is refused."""
     try:
         inputs, targets = batch
-        return inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
     except (TypeError, ValueError, AttributeError):
-        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not this "
-                        f"{type(batch).__name__}: see README, 'Other batches'")
+        kind = type(batch).__name__
+        # What a pair holds: ((tokens, lengths), labels) is a tuple of (tuple, Tensor).
+        if isinstance(batch, (tuple, list)):
+            kind += f" of ({', '.join(type(part).__name__ for part in batch)})"
+        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not a {kind}: "
+                        "see README, 'Other batches'")
+    if len(targets) == 0:
+        raise ValueError("a batch of 0 samples has no mean loss: let the loader skip it")
+    return inputs, targets
 
 
 def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, *,
                 scheduler=None, clip_grad_norm=None, accum_steps=1):
     """One epoch of AMP training: the torch.amp docs' loop, with gradient accumulation.
 
-    loader yields (inputs, targets) pairs of tensors (see to_device), and
-    criterion(model(inputs), targets) is the batch's mean loss. amp_dtype is torch.bfloat16,
-    torch.float16 or None (fp32). scaler is a torch.amp.GradScaler, enabled for float16
-    alone: a disabled one passes everything through, all that bf16 and fp32 need.
-    With accum_steps=K, a step takes the mean gradient of K micro-batches; a shorter group at
-    the end of the loader takes a step of its own, on its own mean. scheduler, if given,
-    steps after every step, also one that the scaler skipped (our choice: knowing that
-    would cost a host sync a step).
+    loader yields (inputs, targets) pairs of tensors (see to_device); criterion(model(inputs),
+    targets) is the batch's mean loss. amp_dtype is torch.bfloat16, torch.float16 or None
+    (fp32). scaler is a torch.amp.GradScaler enabled for float16; bf16 and fp32 take None.
+
+    Three choices are ours, not the docs'. Gradients are zeroed before each step's first
+    micro-batch: none left from before reaches a step. accum_steps=K steps on K micro-batches,
+    moved to the device together and weighted by their samples, as on their whole batch; a
+    short group at the loader's end steps on its own. scheduler, if given, steps after every
+    step, also one the scaler skipped (knowing would cost a host sync a step), so that torch
+    warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" when fp16's first
+    step is skipped with a plain (not fused) optimizer. clip_grad_norm (not None or 0) clips
+    the gradients' norm before each step.
 
     Returns {"loss": the mean loss per sample, "samples": how many it trained on}.
     """
     device = torch.device(device)
+    # bf16 and fp32 need no loss scaling: a disabled GradScaler passes everything through.
+    if scaler is None:
+        scaler = torch.amp.GradScaler(device.type, enabled=False)
     # fp16 has 5 exponent bits: without loss scaling, small gradients flush to zero.
     if amp_dtype == torch.float16 and not scaler.is_enabled():
         raise ValueError("float16 needs an enabled torch.amp.GradScaler(device.type)")
@@ -120,12 +132,12 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     loss_sum = torch.zeros((), device=device)
     samples = 0
     batches = iter(loader)
-    group = list(itertools.islice(batches, accum_steps))
+    group = [to_device(batch, device) for batch in itertools.islice(batches, accum_steps)]
     while group:
         # A gradient left from before (another step, a micro-batch that raised) never counts.
         optimizer.zero_grad(set_to_none=True)
-        for micro_step, batch in enumerate(group):
-            inputs, targets = to_device(batch, device)
+        group_samples = sum(len(targets) for _, targets in group)
+        for micro_step, (inputs, targets) in enumerate(group):
             ends_step = micro_step == len(group) - 1
             with contextlib.ExitStack() as stack:
                 if not ends_step:
@@ -135,24 +147,25 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
                     loss = criterion(model(inputs), targets)
                 # Scaling the loss (fp16) scales every gradient with it, lifting small ones
-                # above fp16's smallest number; dividing by the group gives its mean.
-                scaler.scale(loss / len(group)).backward()
+                # above fp16's smallest number; the weight makes the step the group's mean.
+                scaler.scale(loss * (len(targets) / group_samples)).backward()
             loss_sum += loss.detach().float() * len(targets)
-            samples += len(targets)
+        samples += group_samples
         # Clipping must see the true gradients: unscale_ divides them by the scale first,
         # and step() then knows not to do it again.
-        if clip_grad_norm is not None:
+        if clip_grad_norm:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        # step() skips the update when a gradient is inf or NaN (the scale was too large):
-        # the weights stay as they were, and nothing is lost but the step.
+        # step() skips the update when a gradient is inf or NaN: the scale was too large, or
+        # the forward pass overflowed fp16, which no scale mends. The weights stay as they
+        # were, but BatchNorm's running statistics have taken that forward pass.
         scaler.step(optimizer)
         # update() halves the scale after a skipped step and doubles it after 2000 good
         # ones, so that it stays near the largest that does not overflow.
         scaler.update()
         if scheduler is not None:
             scheduler.step()
-        group = list(itertools.islice(batches, accum_steps))
+        group = [to_device(batch, device) for batch in itertools.islice(batches, accum_steps)]
     # The epoch's one host sync. An empty loader gives a mean of NaN.
     return {"loss": (loss_sum / samples).item(), "samples": samples}
 
@@ -192,10 +205,6 @@ def resolve_device(name):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UsageError("no CUDA GPU is visible: use --device cpu")
-    # torchrun shows every process every GPU: two processes on one would run out of memory.
-    processes, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    if processes > gpus:
-        raise UsageError(f"{processes} processes for {gpus} GPUs: start at most {gpus}")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.backends.cudnn.benchmark = True
     return torch.device("cuda", torch.cuda.current_device())
@@ -212,10 +221,13 @@ def cpu_bf16():
 
 
 def device_label(device):
-    """The device as headers and verdicts name it: a CPU, with its bf16 instructions."""
+    """The device as headers and verdicts name it: a CPU with its bf16 instructions, or a GPU
+    with its TF32 settings, which make fp32's convolutions and matmuls faster and coarser:
+    the baseline that AMP is measured against."""
     if device.type == "cpu":
         return f"cpu (bf16: {cpu_bf16()})"
-    return str(device)
+    return (f"{device} (TF32: cudnn {torch.backends.cudnn.allow_tf32}, matmul "
+            f"{torch.backends.cuda.matmul.allow_tf32})")
 
 
 def resolve_precision(name, device, example):
@@ -223,15 +235,16 @@ def resolve_precision(name, device, example):
     on CUDA; on a CPU it is bf16 where the CPU has bf16 instructions and fp32 where it has
     none, since bf16 is emulated there, slower than fp32. The memory example's "auto" is AMP
     on every device: whether AMP pays is what it measures."""
-    emulated = device.type == "cpu" and cpu_bf16() == "none"
+    native = cpu_bf16() != "none"
+    # A GPU before Ampere (a V100, a T4) emulates bf16 too.
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    if name == "auto" and device.type == "cpu" and not native and example != "memory":
+        return "fp32", ["note: auto trains in fp32: this CPU has no bf16 instructions"]
     if name == "auto":
         name = AMP_PRECISION[device.type]
-        if emulated and example != "memory":
-            return "fp32", [f"note: auto trains in fp32: {NO_BF16}"]
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(False):
-        raise UsageError("this GPU has no bfloat16: use --precision fp16")
-    if name == "bf16" and emulated:
-        return name, [f"note: bf16 is emulated here, slower than fp32: {NO_BF16}"]
+    if name == "bf16" and not native:
+        return name, ["note: bf16 is emulated here, slower than fp32"]
     return name, []
 
 
@@ -239,22 +252,6 @@ def make_optimizer(model, lr):
     """The post's SGD, fused: its kernel takes the GradScaler's inf check, so that step()
     needs no host sync in fp16."""
     return torch.optim.SGD(model.parameters(), lr=lr, fused=True)
-
-
-class SkipCountingScaler(torch.amp.GradScaler):
-    """The examples' GradScaler, which also counts the steps it skipped for inf/NaN
-    gradients. The count stays on the device: reading each step's verdict would make the CPU
-    wait for the GPU."""
-    skipped_steps = 0
-
-    def step(self, optimizer, *args, **kwargs):
-        result = super().step(optimizer, *args, **kwargs)
-        if self.is_enabled():
-            # What step() found, a tensor for each device the gradients are on (one here).
-            # torch names it privately only: a test pins it for plain, foreach and fused
-            # optimizers.
-            self.skipped_steps += sum(self._found_inf_per_device(optimizer).values()) > 0
-        return result
 
 
 # ---------- models and data
@@ -280,20 +277,20 @@ def image_classifier(name):
         return resnet18(imagenet_stem=name == "resnet18-imagenet"), 32
     from torchvision import models
     if name not in models.list_models(module=models):
-        raise UsageError(f"--model {name}: not linear, resnet18(-imagenet), nor a name "
-                         "of torchvision.models.list_models()")
-    weights = models.get_model_weights(name)
-    side = min(weight.transforms.keywords["crop_size"] for weight in weights)
-    options = TORCHVISION_OPTIONS.get(name, {})
-    return models.get_model(name, num_classes=10, **options), side
+        raise UsageError(f"--model {name}: not linear, resnet18, resnet18-imagenet, nor one of "
+                         "torchvision's classification models (see --help)")
+    side = min(weight.transforms.keywords["crop_size"]
+               for weight in models.get_model_weights(name))
+    return models.get_model(name, num_classes=10, **TORCHVISION_OPTIONS.get(name, {})), side
 
 
 class DeviceLoader:
     """Batches of (inputs, targets) held on the device, as in airbench: a few tensor ops a
     batch, and no worker process. Training batches (`shuffle`) come in an order drawn from
     (seed, epoch); under torchrun each process takes its share (by RANK and WORLD_SIZE), as
-    many whole batches as every other (BatchNorm needs 2 samples or more). Test batches hold
-    every sample once. max_batches cuts an epoch short."""
+    many whole batches as every other, since under DDP a process with one batch more would
+    wait for good in its all-reduce. Test batches hold every sample once. max_batches cuts
+    an epoch short."""
 
     def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False,
                  seed=0, max_batches=sys.maxsize):
@@ -344,8 +341,7 @@ def random_crop_flip(images, generator):
 def cifar10_transform(device, augment):
     """uint8 images to normalized float ones, cropped and flipped if `augment`, in
     channels_last: the layout that tensor cores and oneDNN's convolutions work in."""
-    mean = torch.tensor(CIFAR10_MEAN, device=device).view(3, 1, 1) * 255
-    std = torch.tensor(CIFAR10_STD, device=device).view(3, 1, 1) * 255
+    mean, std = torch.tensor(CIFAR10_MEAN_STD, device=device).view(2, 3, 1, 1) * 255
 
     def transform(images, generator):
         if augment:
@@ -426,20 +422,21 @@ def train_example(args, device, folder, state, notes):
     torch.manual_seed(args.seed)
     model, criterion, train_loader, test_loader = build_example(args, device)
     optimizer = make_optimizer(model, args.lr)
-    scaler = SkipCountingScaler(device.type, enabled=args.precision == "fp16")
-    gamma = LR_GAMMA[args.example]
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr
     # from --lr and the epoch, where StepLR multiplies the last one: so a resumed run that
     # is given another --lr goes on along the schedule.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda epoch: gamma ** (epoch // LR_STEP_EPOCHS))
+        optimizer, lambda epoch: LR_GAMMA[args.example] ** (epoch // LR_STEP_EPOCHS))
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
     metrics = []
     if state is not None:
         metrics = restore(state, parts, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
+        notes = [*notes, f"resumed from {args.run_dir} after epoch {len(metrics)}"]
     # The linear example trains on its one batch, and keeps only the flags that it uses.
     data = {"linear": "one batch"}.get(args.example, args.data)
-    flags = {key: getattr(args, key) for key in RUN_FLAGS if applies(key, args.example)}
+    flags = {key: getattr(args, key) for key in RUN_FLAGS
+             if args.example in FLAG_EXAMPLES.get(key, EXAMPLES)}
     say(f"amp_train | example {args.example} | torch {torch.__version__} | device "
         f"{device_label(device)} | precision {args.precision} | data {data} | batch "
         f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
@@ -455,8 +452,8 @@ def train_example(args, device, folder, state, notes):
     # Saved before the first epoch: every write is tried before anything is trained.
     folder.save(parts, flags, metrics)
     for epoch in range(len(metrics), args.epochs):
-        record = run_epoch(args, epoch, trained, model, criterion, optimizer, scaler,
-                           train_loader, test_loader, device)
+        record = run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader,
+                           device)
         scheduler.step()
         say(epoch_line(record, args.epochs))
         metrics.append(json_line(record))
@@ -469,35 +466,33 @@ def train_example(args, device, folder, state, notes):
     return 0
 
 
-def run_epoch(args, epoch, trained, model, criterion, optimizer, scaler, train_loader,
-              test_loader, device):
-    """Trains and tests one epoch; returns its record, whose train loss is the mean over
-    every process's samples."""
+def run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader, device):
+    """Trains `trained` (the model, or DDP around it) and tests the model for one epoch;
+    returns its record, whose train loss is the mean over every process's samples."""
+    optimizer, scaler = parts["optimizer"], parts["scaler"]
     amp_dtype = PRECISIONS[args.precision]
     # The order, crops and flips come from (seed, epoch): a resumed run sees the same.
     train_loader.epoch = epoch
     batches = progress(train_loader, f"epoch {epoch + 1}: batch", say)
     start = time.perf_counter()
     stats = train_epoch(trained, batches, optimizer, criterion, scaler, device, amp_dtype,
-                        clip_grad_norm=args.clip_grad_norm or None, accum_steps=args.accum_steps)
+                        clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps)
     seconds = time.perf_counter() - start
-    # The mean train loss over every process's samples. Each process's BatchNorm statistics
-    # are its own: all test the whole test set with rank 0's, and agree.
+    # The mean train loss over every process's samples. Each process tests the whole test
+    # set with its own BatchNorm statistics: rank 0's are those printed and saved, and DDP
+    # gives them to all at the next forward pass.
     sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"]], device=device)
     if dist.is_initialized():
         dist.all_reduce(sums)
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-    tested = evaluate(model, test_loader, criterion, device, amp_dtype)
+    tested = evaluate(parts["model"], test_loader, criterion, device, amp_dtype)
     loss_sum, samples = sums.tolist()
     record = {"precision": args.precision, "epoch": epoch + 1, "train_loss": loss_sum / samples}
     if args.example == "resnet":
         record.update(test_loss=tested["loss"], test_accuracy=tested["accuracy"])
-    # Every process skipped the same steps: rank 0's count is all's.
-    skipped, scaler.skipped_steps = int(scaler.skipped_steps), 0
+    # Each step that the scaler skipped halved the scale, alike on every process.
     return {**record, "lr": optimizer.param_groups[0]["lr"], "loss_scale": scaler.get_scale(),
-            "skipped_steps": skipped, "seconds": seconds,
-            "samples_per_second": samples / seconds, "processes": world_size()}
+            "seconds": seconds, "samples_per_second": samples / seconds,
+            "processes": world_size()}
 
 
 def progress(items, label, log):
@@ -534,7 +529,7 @@ def epoch_problem(record, model, scaler):
     # In fp16 the scaler skipped the steps whose gradients held inf/NaN, and halved its
     # scale each time. Far under 1, no scale makes them finite: the inf/NaN comes from the
     # forward pass, or from the data.
-    if record["loss_scale"] < MIN_LOSS_SCALE:
+    if record["loss_scale"] < 2.0**-16:
         return (f"the loss scale fell to {record['loss_scale']:g}: fp16 overflows in the "
                 "forward pass, or the data holds inf/NaN; try --precision bf16")
     return None
@@ -545,7 +540,7 @@ def epoch_line(record, epochs):
     line = "epoch {epoch:>{width}}/{epochs} | train loss {train_loss:.4f}"
     if "test_loss" in record:
         line += " | test loss {test_loss:.4f} | test acc {test_accuracy:6.2%}"
-    line += (" | lr {lr:.4g} | scale {loss_scale:g} | skipped {skipped_steps} | "
+    line += (" | lr {lr:.4g} | scale {loss_scale:g} | "
              "{samples_per_second:.0f} samples/s | {seconds:.3f} s")
     return line.format(width=len(str(epochs)), epochs=epochs, **record)
 
@@ -554,18 +549,20 @@ def epoch_line(record, epochs):
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Counts, on leaving the block, the bytes that autograd saved in it for backward:
-    activations, which grow with the batch, and weight copies, which autocast cast from a
-    weight to a lower precision, and which do not."""
+    """Counts, on leaving the block, the bytes that autograd saved in it for backward: weight
+    copies, which autocast cast from a weight to a lower precision and which do not grow
+    with the batch, and activations, all the rest."""
     saved = {}
 
     def pack(tensor):
-        node, cast = tensor.grad_fn, False
-        # Down a chain of one-input ops (a cast, a transpose) to where the tensor began.
-        while len(getattr(node, "next_functions", ())) == 1:
-            cast |= node.name() == "ToCopyBackward0"
-            node = node.next_functions[0][0]
-        copied = cast and isinstance(getattr(node, "variable", None), nn.Parameter)
+        # A view shares its base's storage and history: Linear saves its weight copy
+        # transposed. torch names the base privately only (None for a tensor that is no
+        # view); a test pins what it gives.
+        cast = getattr(tensor._base, "grad_fn", tensor.grad_fn)
+        # A weight copy is the output of a cast whose input is a weight, not a tensor that
+        # began at one (an embedding's output, say).
+        copied = type(cast).__name__ == "ToCopyBackward0" and isinstance(
+            getattr(cast.next_functions[0][0], "variable", None), nn.Parameter)
         storage = tensor.untyped_storage()
         saved[storage.data_ptr()] = storage.nbytes(), copied
         return tensor
@@ -593,20 +590,17 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, label, l
         # train_epoch ends in a host sync: the time is the device's as well.
         train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
         return time.perf_counter() - start
-    ticks = progress(range(MEMORY_WARMUP_STEPS + steps), f"{label}: step", log)
     # The first steps allocate memory and choose kernels: untimed. The first one counts what
     # autograd saves, which every step saves alike.
     with count_saved_tensors(model) as measured:
-        next(ticks)
         step()
-    for _ in itertools.islice(ticks, MEMORY_WARMUP_STEPS - 1):
+    for _ in range(MEMORY_WARMUP_STEPS - 1):
         step()
     if device.type == "cuda":
         # The timed steps' peak alone, not what came before them.
-        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = [step() for _ in ticks]
+    seconds = [step() for _ in progress(range(steps), f"{label}: timed step", log)]
     if device.type == "cuda":
         # Reserved is what the allocator holds, and what runs out.
         measured["peak_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -648,16 +642,22 @@ def amp_report(measured):
             ratio = f"{amp[key] / fp32[key]:.2f}"
         lines.append(f"{key:<22}{cell(key, fp32[key]):>14}{cell(key, amp[key]):>14}{ratio:>12}")
     step = amp["median_step_seconds"] / fp32["median_step_seconds"]
-    memory = amp["activation_bytes"] / fp32["activation_bytes"]
-    faster = "faster"
-    if step >= 1:
-        faster = "not faster"
-    lines.append(f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}"
-                 f", torch {torch.__version__}: {name} steps take {step:.2f}x fp32's time, "
-                 f"{memory:.2f}x its activation memory; AMP is {faster} here")
+    # What autograd saves in all: AMP halves the activations, and adds its weight copies.
+    memory = ((amp["activation_bytes"] + amp["weight_copy_bytes"])
+              / (fp32["activation_bytes"] + fp32["weight_copy_bytes"]))
     # One slow step is common on a shared machine; a slow median moves the verdict.
     spread = max(fp32["median_step_seconds"] / fp32["fastest_step_seconds"],
                  amp["median_step_seconds"] / amp["fastest_step_seconds"])
+    # Within the run's own spread, or 5%, the two are as fast as each other.
+    band = max(spread - 1, 0.05)
+    speed = "about as fast as fp32"
+    if step < 1 - band:
+        speed = "faster"
+    if step > 1 + band:
+        speed = "slower"
+    lines.append(f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}"
+                 f", torch {torch.__version__}: {name} steps take {step:.2f}x fp32's time, "
+                 f"{memory:.2f}x its memory saved for backward; AMP is {speed} here")
     if spread > NOISY_SPREAD:
         lines.append(f"warning: noisy timings (the median step took {spread:.1f}x the "
                      "fastest): rerun when nothing else runs")
@@ -665,8 +665,11 @@ def amp_report(measured):
 
 
 def cell(key, value):
-    """A value of amp_report's table, in the unit its key ends with."""
-    scale, unit = REPORT_UNITS[key.rsplit("_", 1)[1]]
+    """A value of amp_report's table in the largest unit that shows it as 1 or more, or the
+    smallest."""
+    for scale, unit in UNITS[key.rsplit("_", 1)[1]]:
+        if value >= scale:
+            break
     return f"{value / scale:.2f} {unit}"
 
 
@@ -684,12 +687,8 @@ def run_memory(args, device, notes):
         batch = torch.randn(args.batch_size, 3, side, side), labels
     say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
         f"{args.model} | batch {args.batch_size}", *notes)
-    try:
-        measured = measure_amp(model, batch, criterion, device, args.precision, args.steps,
-                               args.model, say)
-    except ValueError as e:
-        # BatchNorm cannot train on one value a channel: a batch of one, and 1x1 maps.
-        raise UsageError(f"{e}: raise --batch-size")
+    measured = measure_amp(model, batch, criterion, device, args.precision, args.steps,
+                           args.model, say)
     say(*amp_report(measured))
     return 0
 
@@ -717,7 +716,22 @@ class RunFolder:
         self.path, self.job, self.epoch, self.state = path, job, None, None
         self.checkpoint = os.path.join(path, "checkpoint.pt")
         self.metrics = os.path.join(path, "metrics.jsonl")
-        self.lock = lock_folder(path, resume)
+        if os.path.isfile(path):
+            raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
+        if resume and not os.path.exists(self.checkpoint):
+            raise UsageError(f"nothing to resume in {path}: run without --resume")
+        os.makedirs(path, exist_ok=True)
+        # A lock on the folder itself, which the kernel frees when the process dies.
+        self.lock = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.lock)
+            raise UsageError(f"another run is using {path}: wait for it, or use another --run-dir")
+        except OSError as e:
+            # Some Lustre and NFS mounts, where multi-GPU jobs often write, have no locks.
+            say(f"note: {path} cannot be locked here ({e.strerror}): one run at a time in it "
+                "is up to you")
         # A folder that cannot be used is let go at once.
         try:
             self.load(resume)
@@ -731,13 +745,12 @@ class RunFolder:
             # weights_only unpickles tensors and plain containers, never code.
             with checkpoint_at(self.checkpoint):
                 self.state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
-                self.epoch, own = self.state["epoch"], self.state["job"] == self.job
-            # A torchrun restart goes on from its own launch's checkpoint without --resume.
-            if not resume and not own:
+                self.epoch, job = self.state["epoch"], self.state["job"]
+            # A torchrun restart goes on from its own launch's checkpoint without --resume;
+            # a run of no launch ("none") never takes another's.
+            if not resume and (job != self.job or job == "none"):
                 raise UsageError(f"{self.path} holds a checkpoint: add --resume, or use "
                                  "another --run-dir")
-        elif resume:
-            raise UsageError(f"nothing to resume in {self.path}: run without --resume")
 
     def save(self, parts, flags, metrics, checkpoint=True):
         """Writes the checkpoint of epoch len(metrics), unless not `checkpoint`, then the
@@ -769,7 +782,6 @@ class RunFolder:
 class NoFolder:
     """Stands in for a RunFolder where nothing is saved: without --run-dir, and on every
     process but rank 0, which alone writes."""
-    state = None
 
     def save(self, *args, **kwargs):
         pass
@@ -779,26 +791,6 @@ class NoFolder:
 
     def close(self):
         pass
-
-
-def lock_folder(path, resume):
-    """Makes the folder (unless `resume`) and locks it; returns the lock's descriptor."""
-    if os.path.isfile(path):
-        raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
-    if resume and not os.path.isdir(path):
-        raise UsageError(f"nothing to resume in {path}: it is not there")
-    os.makedirs(path, exist_ok=True)
-    lock = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock)
-        raise UsageError(f"another run is using {path}: wait for it, or use another --run-dir")
-    except OSError as e:
-        # Some Lustre and NFS mounts, where multi-GPU jobs often write, have no locks.
-        say(f"note: {path} cannot be locked here ({e.strerror}): one run at a time in it "
-            "is up to you")
-    return lock
 
 
 def replace_file(path, data):
@@ -841,12 +833,11 @@ def restore(state, parts, lr, path):
             # A disabled GradScaler (bf16, fp32) saves {}: in fp16 the run starts a new scale.
             if state[name]:
                 part.load_state_dict(state[name])
-        metrics = list(state["metrics"])
-    # The lr follows the flags' --lr, which a resume may change, along the schedule.
-    scheduler = parts["scheduler"]
-    scheduler.base_lrs = [lr]
-    parts["optimizer"].param_groups[0]["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
-    return metrics
+        # The lr follows the flags' --lr, which a resume may change, along the schedule.
+        scheduler, group = parts["scheduler"], parts["optimizer"].param_groups[0]
+        scheduler.base_lrs = [lr]
+        group["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+        return list(state["metrics"])
 
 
 def open_run_folder(args, job):
@@ -883,17 +874,18 @@ def join_processes(device):
     """Under torchrun, joins the other processes (NCCL on GPUs, gloo on CPUs) through its
     rendezvous, and returns the launch's name: torchrun's rendezvous id, a uuid with
     --standalone and --rdzv-id across machines, which every restart of a launch keeps. A
-    static rendezvous names every launch "none", and a run without torchrun has no
-    launch: each gets a random name, so that it never takes another's checkpoint."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if job == "none":
-        job = os.urandom(16).hex()
+    static rendezvous, and a run without torchrun, name no launch: "none"."""
     backend, device_id = "gloo", None
     if device.type == "cuda":
         backend, device_id = "nccl", device
     if world_size() > 1:
-        dist.init_process_group(backend, device_id=device_id)
-    return job
+        store, process_rank, processes = next(dist.rendezvous("env://"))
+        # torchrun keeps its store for every restart of a launch: each gets keys of its own,
+        # or gloo would connect to the last one's processes, which are gone.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"restart{restart}", store),
+                                rank=process_rank, world_size=processes, device_id=device_id)
+    return os.environ.get("TORCHELASTIC_RUN_ID", "none")
 
 
 # ---------- errors
@@ -905,8 +897,7 @@ class UsageError(Exception):
 def say(*lines, file=None):
     """Prints each line; under torchrun, rank 0 alone does."""
     if rank() == 0:
-        for line in lines:
-            print(line, file=file, flush=True)
+        print(*lines, sep="\n", file=file, flush=True)
 
 
 # ====================================================================================
@@ -938,91 +929,60 @@ def make_parser():
     limit = number(int, 0, sys.maxsize, "0 or more")
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--example", default="resnet", choices=EXAMPLES,
-                   help="resnet: ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); "
-                   "memory: fp32 and AMP side by side")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda if a GPU is visible")
-    p.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS],
-                   help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, "
-                   "else fp32")
-    p.add_argument("--epochs", default=EPOCHS, type=count, help="linear's are steps")
-    p.add_argument("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
-    p.add_argument("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf,
-                                                   "more than 0"),
-                   help="SGD's; resnet's falls tenfold every 10 epochs")
-    p.add_argument("--data", default="cifar10", choices=["cifar10", "synthetic"],
-                   help="resnet's; synthetic: 10,000 learnable images, made offline")
-    p.add_argument("--data-root", default="./data", help="CIFAR-10's folder")
-    p.add_argument("--max-steps", default=0, type=limit,
-                   help="resnet's steps an epoch, and test batches; 0: off")
-    p.add_argument("--clip-grad-norm", default=0.0, type=number(float, 0.0, math.inf,
-                                                                "0 or more"),
-                   help="the gradients' largest norm; 0: off")
-    p.add_argument("--accum-steps", default=1, type=count, help="micro-batches a step")
-    p.add_argument("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and "
-                   "DIR/metrics.jsonl each epoch")
-    p.add_argument("--resume", action="store_true",
-                   help="go on with --run-dir's run, with its flags unless given again")
-    p.add_argument("--model", default="resnet18",
-                   help="memory's: resnet18 (CIFAR stem), resnet18-imagenet (the post's), "
-                   "linear, or a torchvision.models.list_models() name")
-    p.add_argument("--steps", default=MEMORY_STEPS, type=count,
-                   help="memory's timed steps, after 3 warm-up steps")
-    p.add_argument("--seed", default=0, type=number(int, 0, 2**32 - 1, "from 0 to 2**32 - 1"),
-                   help="seeds the weights, the data and its order")
+    add = p.add_argument
+    add("--example", default="resnet", choices=EXAMPLES, help="resnet: ResNet18 on CIFAR-10; "
+        "linear: the post's Linear(10, 1); memory: fp32 and AMP side by side")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"],
+        help="auto: cuda if a GPU is visible")
+    add("--precision", default="auto", choices=["auto", *PRECISIONS],
+        help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, else fp32")
+    add("--epochs", default=EPOCHS, type=count, help="linear's are steps")
+    add("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
+    add("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf, "more than 0"),
+        help="SGD's; resnet's falls tenfold every 10 epochs")
+    add("--data", default="cifar10", choices=["cifar10", "synthetic"],
+        help="resnet's; synthetic: 10,000 learnable images, made offline")
+    add("--data-root", default="./data", help="resnet's: CIFAR-10's folder")
+    add("--max-steps", default=0, type=limit, help="resnet's steps an epoch, and test batches; "
+        "0: off")
+    add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
+        help="the gradients' largest norm; 0: off")
+    add("--accum-steps", default=1, type=count, help="micro-batches a step")
+    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each epoch")
+    add("--resume", action="store_true",
+        help="go on with --run-dir's run, with its flags unless given again")
+    add("--model", default="resnet18", help="memory's: linear, resnet18 (the CIFAR stem, at "
+        "32x32), resnet18-imagenet (the post's stem), or one of torchvision's classification "
+        "models, at the size its weights state")
+    add("--steps", default=MEMORY_STEPS, type=count, help="memory's timed steps, after 3 warm-ups")
+    add("--seed", default=0, type=number(int, 0, 2**32 - 1, "from 0 to 2**32 - 1"),
+        help="seeds the weights, the data and its order")
     return p
 
 
-def parse_args(argv, saved=None):
-    """The flags, checked: one line and exit 2 for any mistake, through main(). A resumed
-    run goes on with its checkpoint's flags, `saved`: they are the defaults."""
-    saved = saved or {}
+def parse_args(argv, state=None):
+    """The flags, checked, and the notes to print before training: one line and exit 2 for
+    any mistake, through main(). A resumed run goes on with the flags of its checkpoint,
+    `state`: they are the defaults, and each flag given again comes with a note."""
+    saved, notes = {}, []
+    if state is not None:
+        saved = state["args"]
     parser = make_parser()
     parser.set_defaults(**saved)
     args = parser.parse_args(argv)
-    # A run goes on as what it was: the same example, on the same data.
-    for key in ("example", "data"):
-        if key in saved and getattr(args, key) != saved[key]:
-            raise UsageError(f"the run to resume is --{flag(key)} {saved[key]}: resume it "
-                             f"without --{flag(key)}")
+    for key, value in saved.items():
+        given, name = getattr(args, key), key.replace("_", "-")
+        # A run goes on as what it was: the same example, on the same data.
+        if given != value and key in ("example", "data"):
+            raise UsageError(f"the run to resume is --{name} {value}: resume it without --{name}")
+        if given != value:
+            notes.append(f"note: --{name} {given} replaces the checkpoint's {value}")
     for key, examples in FLAG_EXAMPLES.items():
-        if not applies(key, args.example) and getattr(args, key) != parser.get_default(key):
-            raise UsageError(f"--{flag(key)} is for --example {' and '.join(examples)}")
-    if args.example == "memory" and args.precision == "fp32":
-        raise UsageError("--example memory compares fp32 with --precision bf16 or fp16")
-    if args.example == "memory" and world_size() > 1:
-        raise UsageError("--example memory measures one process: run it without torchrun")
+        if args.example not in examples and getattr(args, key) != parser.get_default(key):
+            raise UsageError(f"--{key.replace('_', '-')} is for --example "
+                             f"{' and '.join(examples)}")
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir DIR")
-    return args
-
-
-def applies(key, example):
-    """Whether the flag of args attribute `key` means something to `example`."""
-    return example in FLAG_EXAMPLES.get(key, EXAMPLES)
-
-
-def flag(key):
-    """The flag of an args attribute: batch_size is --batch-size."""
-    return key.replace("_", "-")
-
-
-def resume_args(argv, state, device):
-    """The flags: a resumed run's come from its checkpoint, but for those given again, each
-    with a note. Returns (args, notes), the precision resolved and its notes among them."""
-    saved = {}
-    if state is not None:
-        saved = state["args"]
-    args = parse_args(argv, saved)
-    args.precision, notes = resolve_precision(args.precision, device, args.example)
-    # All but --epochs, which a resume raises.
-    for key, value in saved.items():
-        if getattr(args, key) != value and key != "epochs":
-            notes.append(f"note: --{flag(key)} {getattr(args, key)} replaces the "
-                         f"checkpoint's {value}")
-    if state is not None:
-        notes.append(f"resumed from {args.run_dir} after epoch {state['epoch']}")
     return args, notes
 
 
@@ -1031,14 +991,15 @@ def main(argv):
     of GPU memory, and Ctrl-C each end in one line; a bug keeps its traceback."""
     folder = NoFolder()
     try:
-        args = parse_args(argv)
+        args, _ = parse_args(argv)
         device = resolve_device(args.device)
         job = join_processes(device)
         folder, state = open_run_folder(args, job)
-        args, notes = resume_args(argv, state, device)
+        args, notes = parse_args(argv, state)
+        args.precision, precision_notes = resolve_precision(args.precision, device, args.example)
         if args.example == "memory":
-            return run_memory(args, device, notes)
-        status = train_example(args, device, folder, state, notes)
+            return run_memory(args, device, precision_notes + notes)
+        status = train_example(args, device, folder, state, precision_notes + notes)
         # Every process ends its last collective before any leaves the group.
         if dist.is_initialized():
             dist.barrier()
