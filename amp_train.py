@@ -721,19 +721,19 @@ class RunFolder:
         if resume and not os.path.exists(self.checkpoint):
             raise UsageError(f"nothing to resume in {path}: run without --resume")
         os.makedirs(path, exist_ok=True)
-        # A lock on the folder itself, which the kernel frees when the process dies.
+        # A lock on the folder itself, which the kernel frees when the process dies. A folder
+        # that cannot be used is let go at once.
         self.lock = os.open(path, os.O_RDONLY)
         try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.lock)
-            raise UsageError(f"another run is using {path}: wait for it, or use another --run-dir")
-        except OSError as e:
-            # Some Lustre and NFS mounts, where multi-GPU jobs often write, have no locks.
-            say(f"note: {path} cannot be locked here ({e.strerror}): one run at a time in it "
-                "is up to you")
-        # A folder that cannot be used is let go at once.
-        try:
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(f"another run is using {path}: wait for it, or use another "
+                                 "--run-dir")
+            except OSError as e:
+                # Some Lustre and NFS mounts, where multi-GPU jobs often write, have no locks.
+                say(f"note: {path} cannot be locked here ({e.strerror}): one run at a time in "
+                    "it is up to you")
             self.load(resume)
         except BaseException:
             self.close()

@@ -509,10 +509,10 @@ def test_auto_precision_and_the_note_that_says_what_it_costs(device, bf16, name,
 
 
 def test_a_gpus_label_says_its_tf32_settings_the_baseline_of_fp32(monkeypatch):
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # cuDNN's TF32 is on by default, matmul's off: turned on here, to show that it is read.
+    monkeypatch.setattr(torch.backends.cuda, "matmul", type("Matmul", (), {"allow_tf32": True}))
     label = amp_train.device_label(torch.device("cuda:0"))
-    assert label == "cuda:0 (TF32: cudnn True, matmul False)", label
+    assert label == "cuda:0 (TF32: cudnn True, matmul True)", label
 
 
 def test_auto_device_is_the_cpu_where_no_gpu_is_visible_and_cuda_there_is_refused(monkeypatch,
@@ -1089,15 +1089,17 @@ def test_where_the_filesystem_has_no_locks_the_run_goes_on_with_a_note(tmp_path,
 def test_a_new_run_never_overwrites_a_checkpoint_but_a_restart_of_its_launch_goes_on(
         tmp_path, monkeypatch, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-1")
     ok(run + ["--epochs", "2"])
-    ok(run + ["--epochs", "3"])
     before = files_of(tmp_path)
-    # Another launch, and a static rendezvous or a run without torchrun ("none"), take nothing.
-    for launch in ("launch-2", "none"):
+    # A run without torchrun, or of a static rendezvous ("none"), or of a launch, takes nothing.
+    for launch in ("none", "launch-1"):
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", launch)
-        assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "4"], capsys)
-    assert files_of(tmp_path) == before and load(tmp_path / "checkpoint.pt")["epoch"] == 3
+        assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "3"], capsys)
+    assert files_of(tmp_path) == before
+    ok(run + ["--epochs", "3", "--resume"])
+    # A restart of launch-1 goes on from its checkpoint without --resume.
+    ok(run + ["--epochs", "4"])
+    assert load(tmp_path / "checkpoint.pt")["epoch"] == 4
 
 
 @pytest.mark.parametrize("make,says", [
