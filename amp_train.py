@@ -9,8 +9,9 @@ GPU (fp16 with a GradScaler, or bf16) or a CPU (bf16), with fp32 as the baseline
     torchrun --nproc_per_node=2 amp_train.py --example resnet         # several GPUs, DDP
 
 Part I is the AMP lesson. train_epoch, first below, is the part to copy; measure_amp measures
-what AMP buys on a model of your own. Part II keeps long runs safe: the run folder, torchrun's
-processes, and errors. A reader who came for AMP can stop where Part II begins.
+what AMP buys on a model of your own. Part II keeps long runs safe: the run folder and
+torchrun's processes. The command line comes last, with the errors a user can make. A reader
+who came for AMP can stop where Part II begins.
 """
 import argparse
 import contextlib
@@ -22,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -517,8 +519,13 @@ def json_line(record):
 def epoch_problem(record, model, scaler):
     """Why training cannot go on after this epoch, and what to try; or None."""
     tensors = model.state_dict()
+    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).int()
+    # Every process decides alike: BatchNorm's statistics differ between processes until
+    # DDP's next forward pass, and a tensor that is not finite on one of them stops all.
+    if dist.is_initialized():
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     # One host sync for all the model's tensors.
-    finite = torch.stack([t.isfinite().all() for t in tensors.values()]).tolist()
+    finite = finite.tolist()
     # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
     if not all(finite):
         return (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
@@ -833,6 +840,14 @@ def restore(state, parts, lr, path):
             # A disabled GradScaler (bf16, fp32) saves {}: in fp16 the run starts a new scale.
             if state[name]:
                 part.load_state_dict(state[name])
+        # load_state_dict checks no shapes, but a fused optimizer walks each state tensor as
+        # it walks its parameter: one of another shape or layout would make it write past
+        # its memory. Each stands for its parameter but "step", the count of steps.
+        for param, optimizer_state in parts["optimizer"].state.items():
+            for key, value in optimizer_state.items():
+                fits = (value.shape, value.stride()) == (param.shape, param.stride())
+                if key != "step" and not fits:
+                    raise ValueError(f"the optimizer's {key} does not fit its parameter")
         # The lr follows the flags' --lr, which a resume may change, along the schedule.
         scheduler, group = parts["scheduler"], parts["optimizer"].param_groups[0]
         scheduler.base_lrs = [lr]
@@ -843,19 +858,18 @@ def restore(state, parts, lr, path):
 def open_run_folder(args, job):
     """Rank 0 takes --run-dir; every process gets (its folder, the checkpoint to go on from,
     or None). The other processes save nothing: theirs is a NoFolder."""
-    folder, found = NoFolder(), [None]
+    folder, found = NoFolder(), None
     if args.run_dir is not None and rank() == 0:
         try:
             folder = RunFolder(args.run_dir, args.resume, job)
-            found = [folder.state]
+            found = folder.state
         except UsageError as e:
-            found = [e]
+            found = e
     # Every process goes on from rank 0's checkpoint, or stops with its error.
-    if dist.is_initialized():
-        dist.broadcast_object_list(found, src=0)
-    if isinstance(found[0], UsageError):
-        raise found[0]
-    return folder, found[0]
+    found = from_rank_0(found)
+    if isinstance(found, UsageError):
+        raise found
+    return folder, found
 
 
 # ---------- torchrun's processes
@@ -870,25 +884,43 @@ def world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def from_rank_0(value):
+    """Rank 0's `value`, on every process: torchrun's processes act on one decision."""
+    values = [value]
+    if dist.is_initialized():
+        dist.broadcast_object_list(values, src=0)
+    return values[0]
+
+
 def join_processes(device):
     """Under torchrun, joins the other processes (NCCL on GPUs, gloo on CPUs) through its
-    rendezvous, and returns the launch's name: torchrun's rendezvous id, a uuid with
-    --standalone and --rdzv-id across machines, which every restart of a launch keeps. A
-    static rendezvous, and a run without torchrun, name no launch: "none"."""
+    rendezvous, and returns the launch's name: the host and process id of rank 0's torchrun
+    agent, the one process that restarts its workers, for every restart of the launch. Under
+    the static rendezvous node ranks never change, and c10d ranks its nodes by their agents,
+    so rank 0's agent stays while the same agents do. A run without torchrun is "none"."""
     backend, device_id = "gloo", None
     if device.type == "cuda":
         backend, device_id = "nccl", device
     if world_size() > 1:
         store, process_rank, processes = next(dist.rendezvous("env://"))
-        # torchrun keeps its store for every restart of a launch: each gets keys of its own,
-        # or gloo would connect to the last one's processes, which are gone.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"restart{restart}", store),
-                                rank=process_rank, world_size=processes, device_id=device_id)
-    return os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        # The static rendezvous, and c10d's unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, keep
+        # the agent's store for every restart: each restart then takes keys of its own, or
+        # gloo would connect to the last one's processes, which are gone. One agent counts
+        # the restarts of all its workers alike; agents on several machines count them apart
+        # (pytorch issue 135712), so there each restart needs a store of its own.
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+            store = dist.PrefixStore(f"restart{restart}", store)
+        dist.init_process_group(backend, store=store, rank=process_rank, world_size=processes,
+                                device_id=device_id)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return "none"
+    return f"{socket.gethostname()}:{os.getppid()}"
 
 
-# ---------- errors
+# ====================================================================================
+# The command line
+# ====================================================================================
 
 class UsageError(Exception):
     """A mistake the user can fix: the run ends in one line that says what to do, exit 2."""
@@ -899,10 +931,6 @@ def say(*lines, file=None):
     if rank() == 0:
         print(*lines, sep="\n", file=file, flush=True)
 
-
-# ====================================================================================
-# The command line
-# ====================================================================================
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):

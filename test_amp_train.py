@@ -1,6 +1,7 @@
 """The specification of amp_train.py: each test's name says the one behaviour it checks, in the
 module's order. CUDA cases run where a GPU is. Run: python -m pytest -q"""
 import contextlib
+import faulthandler
 import functools
 import inspect
 import io
@@ -1034,6 +1035,17 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(argv, optimize
     assert untimed[0] == untimed[1]
 
 
+def momentum_buffer(buffer):
+    """A checkpoint edit: SGD's momentum on, with `buffer` as the weight's momentum buffer."""
+    def make(path):
+        state = load(path)
+        state["optimizer"]["param_groups"][0]["momentum"] = 0.9
+        state["optimizer"]["state"] = {0: {"momentum_buffer": buffer},
+                                       1: {"momentum_buffer": torch.zeros(1)}}
+        torch.save(state, path)
+    return make
+
+
 class CreatesAFile:
     """Unpickled, this creates a file, as a malicious checkpoint could."""
     def __reduce__(self):
@@ -1045,8 +1057,10 @@ class CreatesAFile:
     lambda path: path.write_bytes(path.read_bytes()[:200]),
     lambda path: torch.save({"model": load(path)["model"]}, path),
     lambda path: torch.save({**load(path), "model": {"weight": torch.zeros(1, 11)}}, path),
-    lambda path: path.unlink() or path.mkdir()],
-    ids=["code", "truncated", "of another program", "of another model", "a folder"])
+    lambda path: path.unlink() or path.mkdir(),
+    momentum_buffer(torch.zeros(3)), momentum_buffer(torch.zeros(1, 1).expand(1, 10))],
+    ids=["code", "truncated", "of another program", "of another model", "a folder",
+         "a momentum buffer of 3 for 10 weights", "one number seen as 10"])
 def test_a_file_that_is_no_checkpoint_of_this_run_ends_in_one_line_and_changes_nothing(
         make, tmp_path, monkeypatch, capsys):
     run = LINEAR_FP16 + ["--run-dir", str(tmp_path / "run")]
@@ -1091,15 +1105,19 @@ def test_a_new_run_never_overwrites_a_checkpoint_but_a_restart_of_its_launch_goe
     run = LINEAR + ["--run-dir", str(tmp_path)]
     ok(run + ["--epochs", "2"])
     before = files_of(tmp_path)
-    # A run without torchrun, or of a static rendezvous ("none"), or of a launch, takes nothing.
-    for launch in ("none", "launch-1"):
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", launch)
-        assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "3"], capsys)
+    # Under torchrun a launch is rank 0's agent, its workers' parent: 1, then another.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "3"], capsys)
     assert files_of(tmp_path) == before
     ok(run + ["--epochs", "3", "--resume"])
-    # A restart of launch-1 goes on from its checkpoint without --resume.
+    # A restart of that launch goes on from its checkpoint without --resume.
     ok(run + ["--epochs", "4"])
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 4
+    monkeypatch.setattr(os, "getppid", lambda: 2)
+    assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "5"], capsys)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "5"], capsys)
 
 
 @pytest.mark.parametrize("make,says", [
@@ -1161,18 +1179,23 @@ def torchrun_env(port, rank=0):
             "OMP_NUM_THREADS": "1"}
 
 
-def ddp_worker(rank, argv, out_dir, port):
-    """One of two processes, as torchrun starts them: saves what main() did."""
+def ddp_worker(rank, argv, out_dir, port, nan_epoch):
+    """One of two processes, as torchrun starts them: saves what main() did. In epoch
+    `nan_epoch`, rank 1 alone ends its training with NaN BatchNorm statistics."""
     os.environ.update(torchrun_env(port, rank))
     torch.set_num_threads(1)
+    # A process that waits for ever fails the test instead.
+    faulthandler.dump_traceback_later(60, exit=True)
     # DDP works alike on 256 images: 10,000 take seconds.
     amp_train.resnet18 = small_model
     amp_train.synthetic_cifar10 = lambda size, seed, train=True: cached_synthetic_cifar10(
         min(size, 256), seed, train)
     trained, real = [], amp_train.train_epoch
 
-    def recording(*args, **kwargs):
-        trained.append(real(*args, **kwargs))
+    def recording(model, *args, **kwargs):
+        trained.append(real(model, *args, **kwargs))
+        if rank == 1 and len(trained) == nan_epoch:
+            model.module[1].running_mean.fill_(math.nan)
         return trained[-1]
     amp_train.train_epoch = recording
     out, err = io.StringIO(), io.StringIO()
@@ -1183,10 +1206,10 @@ def ddp_worker(rank, argv, out_dir, port):
                out_dir / f"rank{rank}.pt")
 
 
-def run_two_processes(argv, out_dir):
+def run_two_processes(argv, out_dir, nan_epoch=None):
     """main(argv) in two gloo processes; returns what each did."""
     def run(port):
-        torch.multiprocessing.spawn(ddp_worker, args=(argv, out_dir, port), nprocs=2)
+        torch.multiprocessing.spawn(ddp_worker, args=(argv, out_dir, port, nan_epoch), nprocs=2)
         return [load(out_dir / f"rank{r}.pt") for r in range(2)]
     return retry_if_the_port_was_taken(run)
 
@@ -1206,6 +1229,14 @@ def test_two_processes_go_on_from_one_each_on_its_share_and_rank_0_alone_prints(
         assert record["train_loss"] == pytest.approx(mean), (record, own)
 
 
+def test_nan_batchnorm_statistics_on_rank_1_alone_stop_both_processes_at_one_epoch(tmp_path):
+    run = RESNET + ["--max-steps", "1", "--epochs", "3", "--run-dir", str(tmp_path / "run")]
+    rank0, rank1 = run_two_processes(run, tmp_path, nan_epoch=2)
+    assert (rank0["code"], rank1["code"], len(rank1["trained"])) == (1, 1, 2), rank0["err"]
+    assert "error: epoch 2: the model's 1.running_mean holds inf/NaN" in rank0["err"], rank0
+    assert load(tmp_path / "run" / "checkpoint.pt")["epoch"] == 1, "not the last sound epoch"
+
+
 def test_a_folder_another_run_holds_is_said_once_and_stops_every_process(tmp_path):
     (tmp_path / "run").mkdir()
     with held(tmp_path / "run"):
@@ -1215,31 +1246,49 @@ def test_a_folder_another_run_holds_is_said_once_and_stops_every_process(tmp_pat
     assert "another run is using" in rank0["err"], rank0["err"]
 
 
-DIES = """import os, signal, sys
+DIES = """import os, signal, sys, time
 sys.path.insert(0, {here!r})
 import amp_train
-real = amp_train.replace_file
-def dying(path, data, calls=[]):
-    calls.append(path)
-    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and len(calls) == 3:
+real = amp_train.run_epoch
+def dying(args, epoch, *rest):
+    # Rank 1 dies by kill -9 in epoch 2 once epoch 1's checkpoint is written, once in all.
+    if epoch == 1 and os.environ["RANK"] == "1" and not os.path.exists("died"):
+        while not open("run/metrics.jsonl").read():
+            time.sleep(0.05)
+        open("died", "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(path, data)
-amp_train.replace_file = dying
+    return real(args, epoch, *rest)
+amp_train.run_epoch = dying
 sys.exit(amp_train.main(sys.argv[1:]))
 """
+# README's torchrun lines: one machine by its own rendezvous (--standalone) or the static one
+# (--master-port), and two agents on one machine playing two nodes, one process each.
+TWO_NODES = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", "--rdzv-id=amp",
+             "--rdzv-endpoint=127.0.0.1:{port}"]
+LAUNCHES = {"standalone": [["--standalone", "--nproc_per_node=2"]],
+            "static": [["--nproc_per_node=2", "--master-port={port}"]],
+            "two nodes": [TWO_NODES, TWO_NODES]}
 
 
-def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(tmp_path):
-    # kill -9 in round 0 after epoch 1's training, before its checkpoint is written: round
-    # 1 goes on from epoch 0's without --resume, and writes the metrics anew.
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(launch, tmp_path):
     (tmp_path / "dies.py").write_text(DIES.format(here=str(HERE)))
-    argv = ["--device", "cpu", "--example", "linear", "--precision", "fp32", "--epochs", "3",
-            "--run-dir", "run"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "--max-restarts=1", "dies.py", *argv]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert done.returncode == 0 and done.stderr.count("exitcode: -9") == 1, done.stderr
-    assert re.search(r"^resumed from run after epoch 0$", done.stdout, re.M), done.stdout
+    argv = ["dies.py", "--device", "cpu", "--example", "linear", "--precision", "fp32",
+            "--epochs", "3", "--run-dir", "run"]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": str(int(launch == "two nodes"))}
+
+    def run(port):
+        agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *(
+            option.format(port=port) for option in options), "--max-restarts=1", *argv],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for options in LAUNCHES[launch]]
+        return [(*agent.communicate(timeout=60), agent.returncode) for agent in agents]
+    agents = retry_if_the_port_was_taken(run)
+    out = "".join(agent[0] for agent in agents)
+    assert [agent[2] for agent in agents] == [0] * len(agents), agents
+    # One kill, one restart: two rounds began, and the second went on from epoch 1.
+    assert (tmp_path / "died").exists() and out.count("amp_train | example linear") == 2, out
+    assert re.search(r"^resumed from run after epoch 1$", out, re.M), out
     assert [r["epoch"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
     ok(LINEAR + ["--precision", "fp32", "--epochs", "3", "--run-dir", str(tmp_path / "a")])
     restarted, alone = (load(tmp_path / name / "checkpoint.pt")["model"] for name in ("run", "a"))
