@@ -23,15 +23,13 @@ import itertools
 import json
 import math
 import os
-import socket
-import statistics
 import sys
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 # The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs. Its linear
 # program keeps its lr: the linear example's falls by a factor of 1.
@@ -42,17 +40,26 @@ LR_STEP_EPOCHS = 10
 LR_GAMMA = {"resnet": 0.1, "linear": 1.0}
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 # AMP gains where the device computes in 16 bits: fp16, with a GradScaler, on CUDA's tensor
-# cores; bf16 on a CPU's AMX or AVX512-BF16 instructions. A CPU without them emulates bf16,
-# slower than fp32: --precision auto trains in fp32 there, and says so.
+# cores; bf16 on a CPU's bf16 instructions.
 AMP_PRECISION = {"cuda": "fp16", "cpu": "bf16"}
+# The CPU instructions that compute in 16 bits, as torch.cpu.get_capabilities() names them on
+# x86 and ARM, with their precision. A CPU without them emulates it, slower than fp32.
+CPU_16BIT = {"amx_bf16": "bf16", "avx512_bf16": "bf16", "sve_bf16": "bf16", "bf16": "bf16",
+             "amx_fp16": "fp16", "avx512_fp16": "fp16", "fp16_arith": "fp16"}
+# --precision auto trains in AMP where the device has 16-bit units and AMP's median step,
+# timed over AUTO_STEPS steps after the warm-up ones, takes at most AUTO_MAX_RATIO of fp32's.
+AUTO_STEPS = 2
+AUTO_MAX_RATIO = 0.9
 # CIFAR-10's mean and standard deviation, by channel.
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 # The memory example's untimed warm-up steps (the first ones allocate memory and pick
-# kernels), then its timed ones. A median step over 1.3 times the fastest means that
-# something else used the device meanwhile.
+# kernels), then its timed ones.
 MEMORY_WARMUP_STEPS = 3
 MEMORY_STEPS = 20
-NOISY_SPREAD = 1.3
+# autograd's nodes of the views that a weight copy may be seen through, and of the cast itself.
+VIEWS_AND_CASTS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                   "UnsafeViewBackward0", "ExpandBackward0", "UnsqueezeBackward0",
+                   "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0", "ToCopyBackward0"}
 # Its table's units, by the last word of a row's name, largest first.
 UNITS = {"bytes": [(2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")],
          "seconds": [(1e-3, "ms")], "second": [(1, "/s")]}
@@ -66,10 +73,10 @@ PROGRESS_SECONDS = 15
 # Part II's: the flags that mean something to some examples only (any other refuses them),
 # and those a training run keeps in its checkpoint, which a resumed run goes on with.
 EXAMPLES = ("resnet", "linear", "memory")
-FLAG_EXAMPLES = {"data": ["resnet"], "data_root": ["resnet"], "max_steps": ["resnet"],
-                 "model": ["memory"], "steps": ["memory"], **dict.fromkeys(
-                     ["epochs", "lr", "clip_grad_norm", "accum_steps", "run_dir", "resume"],
-                     ["resnet", "linear"])}
+FLAG_EXAMPLES = dict.fromkeys(["epochs", "lr", "clip_grad_norm", "accum_steps", "compile",
+                               "run_dir", "resume"], ["resnet", "linear"])
+FLAG_EXAMPLES.update(data=["resnet"], data_root=["resnet"], max_steps=["resnet"],
+                     model=["memory"], steps=["memory"])
 RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip_grad_norm",
              "accum_steps", "data", "max_steps")
 
@@ -83,16 +90,11 @@ def to_device(batch, device):
     """A batch's (inputs, targets) tensors, moved to `device`. Any other batch (a dict, inputs
     that are a tuple), or one of 0 samples, whose mean loss is NaN, is refused."""
     try:
-        inputs, targets = batch
-        inputs = inputs.to(device, non_blocking=True)
-        targets = targets.to(device, non_blocking=True)
-    except (TypeError, ValueError, AttributeError):
-        kind = type(batch).__name__
-        # What a pair holds: ((tokens, lengths), labels) is a tuple of (tuple, Tensor).
-        if isinstance(batch, (tuple, list)):
-            kind += f" of ({', '.join(type(part).__name__ for part in batch)})"
-        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not a {kind}: "
-                        "see README, 'Other batches'")
+        inputs, targets = (part.to(device, non_blocking=True) for part in batch)
+    except (TypeError, ValueError, AttributeError) as e:
+        # e says what failed inside: a tuple of inputs, say, has no .to().
+        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not a "
+                        f"{type(batch).__name__} ({e}): see README, 'Other batches'")
     if len(targets) == 0:
         raise ValueError("a batch of 0 samples has no mean loss: let the loader skip it")
     return inputs, targets
@@ -112,8 +114,10 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     short group at the loader's end steps on its own. scheduler, if given, steps after every
     step, also one the scaler skipped (knowing would cost a host sync a step), so that torch
     warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" when fp16's first
-    step is skipped with a plain (not fused) optimizer. clip_grad_norm (not None or 0) clips
-    the gradients' norm before each step.
+    step is skipped with a plain (not fused) optimizer. So it takes a schedule by steps (a
+    warm-up, OneCycleLR); one by epochs, such as the post's StepLR(10, 0.1), given here would
+    count each step as an epoch: step that one once an epoch yourself, as the examples do.
+    clip_grad_norm (not None or 0) clips the gradients' norm before each step.
 
     Returns {"loss": the mean loss per sample, "samples": how many it trained on}.
     """
@@ -212,42 +216,52 @@ def resolve_device(name):
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def cpu_bf16():
-    """The CPU's bf16 instructions: "AMX", "AVX512-BF16", or "none" (bf16 is emulated)."""
-    # torch names these privately only: a test checks them against /proc/cpuinfo.
-    if torch.cpu._is_amx_tile_supported():
-        return "AMX"
-    if torch.cpu._is_avx512_bf16_supported():
-        return "AVX512-BF16"
-    return "none"
+def cpu_16bit():
+    """The CPU's 16-bit instructions that torch finds, by their names in CPU_16BIT, each with
+    the precision it computes in."""
+    if hasattr(torch.cpu, "get_capabilities"):
+        capabilities = torch.cpu.get_capabilities()
+    else:
+        # torch 2.6 names two privately only: a test checks them against /proc/cpuinfo.
+        capabilities = {"amx_bf16": torch.cpu._is_amx_tile_supported(),
+                        "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
+    return {name: bits for name, bits in CPU_16BIT.items() if capabilities.get(name)}
 
 
 def device_label(device):
-    """The device as headers and verdicts name it: a CPU with its bf16 instructions, or a GPU
-    with its TF32 settings, which make fp32's convolutions and matmuls faster and coarser:
-    the baseline that AMP is measured against."""
+    """The device as headers and verdicts name it: a CPU with its 16-bit instructions, or a
+    GPU with its TF32 settings, which make fp32's convolutions and matmuls faster and
+    coarser: the baseline that AMP is measured against."""
     if device.type == "cpu":
-        return f"cpu (bf16: {cpu_bf16()})"
+        return f"cpu (16-bit instructions: {list(cpu_16bit())})"
     return (f"{device} (TF32: cudnn {torch.backends.cudnn.allow_tf32}, matmul "
             f"{torch.backends.cuda.matmul.allow_tf32})")
 
 
-def resolve_precision(name, device, example):
-    """--precision, and the notes that say where it costs more than it gains. "auto" is fp16
-    on CUDA; on a CPU it is bf16 where the CPU has bf16 instructions and fp32 where it has
-    none, since bf16 is emulated there, slower than fp32. The memory example's "auto" is AMP
-    on every device: whether AMP pays is what it measures."""
-    native = cpu_bf16() != "none"
-    # A GPU before Ampere (a V100, a T4) emulates bf16 too.
+def choose_precision(name, model, batch, criterion, device):
+    """The resnet and linear examples' --precision, and the notes that say what it costs. Where
+    the device has 16-bit units for AMP (fp16 on CUDA, bf16 on a CPU), "auto" times
+    AUTO_STEPS steps of the run's own model on its first batch in fp32 and in AMP, and takes
+    AMP if its steps take at most AUTO_MAX_RATIO of fp32's; under torchrun every process
+    measures on its own device, and takes rank 0's choice. A CPU that emulates bf16 trains in
+    fp32 at once. Returns the precision and its notes."""
+    amp = AMP_PRECISION[device.type]
+    native = set(cpu_16bit().values())
     if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported(including_emulation=False)
-    if name == "auto" and device.type == "cpu" and not native and example != "memory":
+        native = {"fp16", "bf16"}
+    if name not in native | {"fp32", "auto"}:
+        return name, [f"note: {name} is emulated here, slower than fp32"]
+    if name != "auto":
+        return name, []
+    if amp not in native:
         return "fp32", ["note: auto trains in fp32: this CPU has no bf16 instructions"]
-    if name == "auto":
-        name = AMP_PRECISION[device.type]
-    if name == "bf16" and not native:
-        return name, ["note: bf16 is emulated here, slower than fp32"]
-    return name, []
+    measured = measure_amp(model, batch, criterion, device, PRECISIONS[amp], AUTO_STEPS, log=say)
+    ratio = measured[amp]["median_step_seconds"] / measured["fp32"]["median_step_seconds"]
+    precision = "fp32"
+    if ratio <= AUTO_MAX_RATIO:
+        precision = amp
+    return from_rank_0((precision, [f"note: auto trains in {precision}: {amp} steps took "
+                                    f"{ratio:.2f}x fp32's here ({AUTO_STEPS} steps each)"]))
 
 
 def make_optimizer(model, lr):
@@ -281,8 +295,7 @@ def image_classifier(name):
     if name not in models.list_models(module=models):
         raise UsageError(f"--model {name}: not linear, resnet18, resnet18-imagenet, nor one of "
                          "torchvision's classification models (see --help)")
-    side = min(weight.transforms.keywords["crop_size"]
-               for weight in models.get_model_weights(name))
+    side = min(weight.transforms.keywords["crop_size"] for weight in models.get_model_weights(name))
     return models.get_model(name, num_classes=10, **TORCHVISION_OPTIONS.get(name, {})), side
 
 
@@ -294,8 +307,8 @@ class DeviceLoader:
     wait for good in its all-reduce. Test batches hold every sample once. max_batches cuts
     an epoch short."""
 
-    def __init__(self, inputs, targets, batch_size, device, transform=None, shuffle=False,
-                 seed=0, max_batches=sys.maxsize):
+    def __init__(self, inputs, targets, batch_size, device, transform, shuffle=False, seed=0,
+                 max_batches=sys.maxsize):
         self.inputs, self.targets = inputs.to(device), targets.to(device)
         self.batch_size, self.transform, self.shuffle = batch_size, transform, shuffle
         self.seed, self.max_batches, self.epoch = seed, max_batches, 0
@@ -322,16 +335,13 @@ class DeviceLoader:
         augment = torch.Generator(self.targets.device)
         augment.manual_seed((seed + 7919 * (rank() + 1)) % 2**32)
         for index in order.to(self.targets.device).split(self.batch_size):
-            inputs = self.inputs[index]
-            if self.transform is not None:
-                inputs = self.transform(inputs, augment)
-            yield inputs, self.targets[index]
+            yield self.transform(self.inputs[index], augment), self.targets[index]
 
 
 def random_crop_flip(images, generator):
     """torchvision's RandomCrop(32, padding=4) and RandomHorizontalFlip, on a whole batch."""
     n, device = len(images), images.device
-    padded = F.pad(images, (4, 4, 4, 4))
+    padded = nn.functional.pad(images, (4, 4, 4, 4))
     dy, dx = torch.randint(0, 9, (2, n, 1), generator=generator, device=device)
     mirror = torch.rand(n, 1, generator=generator, device=device) < 0.5
     base = torch.arange(32, device=device)
@@ -357,7 +367,7 @@ def synthetic_cifar10(size, seed=0, train=True):
     """CIFAR-10-shaped uint8 images and labels: a smooth pattern for each class, and noise."""
     generator = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, 4, 4, generator=generator)
-    patterns = F.interpolate(patterns, size=(32, 32), mode="bilinear")
+    patterns = nn.functional.interpolate(patterns, size=(32, 32), mode="bilinear")
     # The test set draws other images than the training set: seed * 2 + 2, against + 1.
     generator.manual_seed(seed * 2 + 2 - train)
     labels = torch.randint(0, 10, (size,), generator=generator)
@@ -373,8 +383,8 @@ def cifar10(root):
         # Offline the download fails, and the error below says what to do.
         with contextlib.suppress(OSError, RuntimeError):
             torchvision.datasets.CIFAR10(root, download=True)
-    if dist.is_initialized():
-        dist.barrier()
+    # The others wait for rank 0's download.
+    from_rank_0(None)
     try:
         sets = [torchvision.datasets.CIFAR10(root, train=train) for train in (True, False)]
     except (OSError, RuntimeError):
@@ -396,7 +406,9 @@ def build_example(args, device):
     """The model, loss, training and test loaders of args.example, for this process; its
     --batch-size is each process's. The linear example trains every process on its batch."""
     if args.example == "linear":
-        loader = DeviceLoader(*linear_batch(args.batch_size, args.seed), args.batch_size, device)
+        # Its batch is taken as it is.
+        loader = DeviceLoader(*linear_batch(args.batch_size, args.seed), args.batch_size, device,
+                              lambda inputs, generator: inputs)
         return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, []
     train, test = synthetic_cifar10(10_000, args.seed), synthetic_cifar10(2_000, args.seed, False)
     if args.data == "cifar10":
@@ -419,10 +431,53 @@ def build_example(args, device):
 def train_example(args, device, folder, state, notes):
     """The resnet and linear examples, as imagenet's main_worker: build the model, then
     train, test, print and save each epoch. folder saves the run (see RunFolder; a NoFolder
-    saves nothing), and state is the checkpoint to go on from, or None. Returns 0, or 1 if
+    saves nothing), and state is the checkpoint to go on from, or {}. Returns 0, or 1 if
     training cannot go on."""
     torch.manual_seed(args.seed)
     model, criterion, train_loader, test_loader = build_example(args, device)
+    args.precision, precision_notes = choose_precision(args.precision, model,
+                                                       next(iter(train_loader)), criterion, device)
+    parts, metrics = training_parts(args, device, model, state)
+    if state:
+        notes = [*notes, f"resumed from {args.run_dir} after epoch {len(metrics)}"]
+    # The linear example trains on its one batch.
+    data = {"linear": "one batch"}.get(args.example, args.data)
+    flags = {key: getattr(args, key) for key in RUN_FLAGS}
+    say(f"amp_train | example {args.example} | torch {torch.__version__} | device "
+        f"{device_label(device)} | precision {args.precision} | data {data} | batch "
+        f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
+        f"{args.epochs}", *precision_notes, *notes)
+    # DDP averages the gradients in backward, so every process's scaler sees the same ones
+    # and skips the same steps.
+    trained = model
+    if world_size() > 1:
+        trained = nn.parallel.DistributedDataParallel(model)
+    # Compiled around DDP, as torch's DDP notes advise: its graph then breaks at DDP's
+    # buckets, so that each all-reduce overlaps the backward pass. parts keep the plain
+    # model, whose state dict a checkpoint saves.
+    if args.compile:
+        trained = torch.compile(trained)
+    # Saved before the first epoch: every write is tried before anything is trained.
+    folder.save(parts, flags, metrics)
+    for epoch in range(len(metrics), args.epochs):
+        record = run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader,
+                           device)
+        parts["scheduler"].step()
+        say(epoch_line(record, args.epochs))
+        metrics.append(json_line(record))
+        problem = epoch_problem(record, model)
+        # The checkpoint keeps the last sound epoch; the metrics show this one too.
+        folder.save(parts, flags, metrics, checkpoint=problem is None)
+        if problem is not None:
+            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def training_parts(args, device, model, state):
+    """The model and its optimizer, GradScaler and lr scheduler, by the names a checkpoint
+    saves them under, restored from `state` unless it is {}; and the metrics lines of the
+    epochs done."""
     optimizer = make_optimizer(model, args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr
@@ -431,41 +486,9 @@ def train_example(args, device, folder, state, notes):
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda epoch: LR_GAMMA[args.example] ** (epoch // LR_STEP_EPOCHS))
     parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
-    metrics = []
-    if state is not None:
-        metrics = restore(state, parts, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
-        notes = [*notes, f"resumed from {args.run_dir} after epoch {len(metrics)}"]
-    # The linear example trains on its one batch, and keeps only the flags that it uses.
-    data = {"linear": "one batch"}.get(args.example, args.data)
-    flags = {key: getattr(args, key) for key in RUN_FLAGS
-             if args.example in FLAG_EXAMPLES.get(key, EXAMPLES)}
-    say(f"amp_train | example {args.example} | torch {torch.__version__} | device "
-        f"{device_label(device)} | precision {args.precision} | data {data} | batch "
-        f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
-        f"{args.epochs}", *notes)
-    if len(metrics) >= args.epochs:
-        say(f"nothing to do: the checkpoint has {len(metrics)} epochs")
-        return 0
-    # DDP averages the gradients in backward, so every process's scaler sees the same ones
-    # and skips the same steps.
-    trained = model
-    if world_size() > 1:
-        trained = nn.parallel.DistributedDataParallel(model)
-    # Saved before the first epoch: every write is tried before anything is trained.
-    folder.save(parts, flags, metrics)
-    for epoch in range(len(metrics), args.epochs):
-        record = run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader,
-                           device)
-        scheduler.step()
-        say(epoch_line(record, args.epochs))
-        metrics.append(json_line(record))
-        problem = epoch_problem(record, model, scaler)
-        # The checkpoint keeps the last sound epoch; the metrics show this one too.
-        folder.save(parts, flags, metrics, checkpoint=problem is None)
-        if problem is not None:
-            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds()}", file=sys.stderr)
-            return 1
-    return 0
+    if not state:
+        return parts, []
+    return parts, restore(state, parts, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
 
 
 def run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader, device):
@@ -503,20 +526,18 @@ def progress(items, label, log):
     start = last = time.perf_counter()
     for done, item in enumerate(items, 1):
         yield item
-        now = time.perf_counter()
-        if now - last >= PROGRESS_SECONDS:
-            last = now
-            log(f"  {label} {done}/{len(items)} | {(now - start) / done:.3f} s each")
+        if time.perf_counter() - last >= PROGRESS_SECONDS:
+            last = time.perf_counter()
+            log(f"  {label} {done}/{len(items)} | {(last - start) / done:.3f} s each")
 
 
 def json_line(record):
-    """The record as a line of JSON, with null for inf and NaN, which JSON lacks."""
-    text = json.dumps(record).replace("-Infinity", "null")
-    # No key or other value of a record holds these words.
-    return text.replace("Infinity", "null").replace("NaN", "null") + "\n"
+    """The record as a line of JSON. JSON has no inf or NaN, which json.dumps writes as bare
+    words: read back, each becomes null; a string that holds those words stays as it is."""
+    return json.dumps(json.loads(json.dumps(record), parse_constant=lambda word: None)) + "\n"
 
 
-def epoch_problem(record, model, scaler):
+def epoch_problem(record, model):
     """Why training cannot go on after this epoch, and what to try; or None."""
     tensors = model.state_dict()
     finite = torch.stack([t.isfinite().all() for t in tensors.values()]).int()
@@ -527,12 +548,10 @@ def epoch_problem(record, model, scaler):
     # One host sync for all the model's tensors.
     finite = finite.tolist()
     # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
+    # Without a scaler (bf16, fp32) no step is skipped: an inf/NaN loss makes NaN weights.
     if not all(finite):
         return (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
                 "or look for inf/NaN in the data")
-    # Without a scaler (bf16, fp32) no step was skipped: an inf/NaN loss went into the weights.
-    if not scaler.is_enabled() and not math.isfinite(record["train_loss"]):
-        return "the train loss is inf/NaN: training diverged; lower --lr"
     # In fp16 the scaler skipped the steps whose gradients held inf/NaN, and halved its
     # scale each time. Far under 1, no scale makes them finite: the inf/NaN comes from the
     # forward pass, or from the data.
@@ -556,22 +575,24 @@ def epoch_line(record, epochs):
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Counts, on leaving the block, the bytes that autograd saved in it for backward: weight
-    copies, which autocast cast from a weight to a lower precision and which do not grow
-    with the batch, and activations, all the rest."""
+    """Counts, on leaving the block, the bytes that autograd saved in it for backward, in
+    each pass of the block: weight copies, which autocast cast from a weight to a lower
+    precision and which do not grow with the batch, and activations, all the rest."""
     saved = {}
 
     def pack(tensor):
-        # A view shares its base's storage and history: Linear saves its weight copy
-        # transposed. torch names the base privately only (None for a tensor that is no
-        # view); a test pins what it gives.
-        cast = getattr(tensor._base, "grad_fn", tensor.grad_fn)
-        # A weight copy is the output of a cast whose input is a weight, not a tensor that
-        # began at one (an embedding's output, say).
-        copied = type(cast).__name__ == "ToCopyBackward0" and isinstance(
-            getattr(cast.next_functions[0][0], "variable", None), nn.Parameter)
+        # Back through views (Linear saves its weight copy transposed, a tied head uses
+        # weight.T) and casts to where the tensor began: a weight copy passed a cast, and
+        # began at a weight, not at a tensor made from one (an embedding's output, say).
+        node, passed = tensor.grad_fn, []
+        while type(node).__name__ in VIEWS_AND_CASTS:
+            passed.append(type(node).__name__)
+            node = node.next_functions[0][0]
+        copied = "ToCopyBackward0" in passed and isinstance(getattr(node, "variable", None),
+                                                             nn.Parameter)
+        # The storage is kept to the end of the block: no later pass reuses its address.
         storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes(), copied
+        saved[storage.data_ptr()] = storage, copied
         return tensor
 
     counts = {"activation_bytes": 0, "weight_copy_bytes": 0}
@@ -580,8 +601,8 @@ def count_saved_tensors(model):
     # A weight itself is no memory saved for backward: it is there anyway.
     for weight in model.parameters():
         saved.pop(weight.untyped_storage().data_ptr(), None)
-    for nbytes, copied in saved.values():
-        counts["weight_copy_bytes" if copied else "activation_bytes"] += nbytes
+    for storage, copied in saved.values():
+        counts["weight_copy_bytes" if copied else "activation_bytes"] += storage.nbytes()
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps, label, log):
@@ -609,24 +630,27 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, label, l
         torch.cuda.reset_peak_memory_stats(device)
     seconds = [step() for _ in progress(range(steps), f"{label}: timed step", log)]
     if device.type == "cuda":
-        # Reserved is what the allocator holds, and what runs out.
         measured["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        measured["reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    median = statistics.median(seconds)
+    # The middle step, or the slower of the two in the middle.
+    median = sorted(seconds)[len(seconds) // 2]
     return {**measured, "median_step_seconds": median, "fastest_step_seconds": min(seconds),
             "samples_per_second": len(batch[1]) / median}
 
 
-def measure_amp(model, batch, criterion, device, precision="bf16", steps=MEMORY_STEPS,
+def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps=MEMORY_STEPS,
                 name="model", log=print):
     """What AMP buys on `model`: copies of it trained on one (inputs, targets) batch in fp32
-    and in `precision` ("bf16" or "fp16"), side by side. Each takes 3 warm-up steps and
-    `steps` timed ones; log() hears when each starts and, if steps are slow, how far it got.
+    and with amp_dtype (torch.bfloat16 or torch.float16, as train_epoch takes it), side by
+    side. Each takes 3 warm-up steps and `steps` timed ones; log() hears when each starts
+    and, if steps are slow, how far it got.
 
-    Returns {"fp32": ..., precision: ...}, each with the bytes that autograd saved for
+    Returns {"fp32": ..., "bf16" or "fp16": ...}, each with the bytes that autograd saved for
     backward (activations, and autocast's weight copies), its step times and samples per
     second (and, on CUDA, its peak memory), and the labels that amp_report prints.
     """
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(amp_dtype)
+    if precision is None:
+        raise ValueError(f"measure_amp takes torch.bfloat16 or torch.float16, not {amp_dtype!r}")
     device = torch.device(device)
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
                 "precision": precision}
@@ -649,14 +673,14 @@ def amp_report(measured):
             ratio = f"{amp[key] / fp32[key]:.2f}"
         lines.append(f"{key:<22}{cell(key, fp32[key]):>14}{cell(key, amp[key]):>14}{ratio:>12}")
     step = amp["median_step_seconds"] / fp32["median_step_seconds"]
-    # What autograd saves in all: AMP halves the activations, and adds its weight copies.
-    memory = ((amp["activation_bytes"] + amp["weight_copy_bytes"])
-              / (fp32["activation_bytes"] + fp32["weight_copy_bytes"]))
-    # One slow step is common on a shared machine; a slow median moves the verdict.
-    spread = max(fp32["median_step_seconds"] / fp32["fastest_step_seconds"],
-                 amp["median_step_seconds"] / amp["fastest_step_seconds"])
-    # Within the run's own spread, or 5%, the two are as fast as each other.
-    band = max(spread - 1, 0.05)
+    # What autograd saves in all: AMP halves the activations, and adds its weight copies
+    # (fp32 makes none).
+    memory = (amp["activation_bytes"] + amp["weight_copy_bytes"]) / fp32["activation_bytes"]
+    # Within the run's own spread (how much slower the median step is than the fastest, in
+    # either precision), or 5%, the two are as fast as each other: one slow step is common on
+    # a shared machine, and a slow median moves the verdict.
+    band = max(fp32["median_step_seconds"] / fp32["fastest_step_seconds"] - 1,
+               amp["median_step_seconds"] / amp["fastest_step_seconds"] - 1, 0.05)
     speed = "about as fast as fp32"
     if step < 1 - band:
         speed = "faster"
@@ -665,9 +689,6 @@ def amp_report(measured):
     lines.append(f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}"
                  f", torch {torch.__version__}: {name} steps take {step:.2f}x fp32's time, "
                  f"{memory:.2f}x its memory saved for backward; AMP is {speed} here")
-    if spread > NOISY_SPREAD:
-        lines.append(f"warning: noisy timings (the median step took {spread:.1f}x the "
-                     "fastest): rerun when nothing else runs")
     return lines
 
 
@@ -684,18 +705,21 @@ def run_memory(args, device, notes):
     """The memory example: --model and a batch of random data, measured by measure_amp: the
     post's Linear(10, 1) problem, or an image model (see image_classifier) in channels_last,
     the layout oneDNN's and cuDNN's convolutions then use. Returns 0."""
+    # It compares AMP with fp32, and its "auto" is AMP on every device: whether AMP pays is
+    # what it measures.
+    amp_dtype = PRECISIONS[args.precision.replace("auto", AMP_PRECISION[device.type])]
+    if amp_dtype is None:
+        raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
     torch.manual_seed(args.seed)
     model, criterion = nn.Linear(10, 1), nn.MSELoss()
     batch = linear_batch(args.batch_size, args.seed)
     if args.model != "linear":
         model, side = image_classifier(args.model)
         model, criterion = model.to(memory_format=torch.channels_last), nn.CrossEntropyLoss()
-        labels = torch.randint(0, 10, (args.batch_size,))
-        batch = torch.randn(args.batch_size, 3, side, side), labels
+        batch = torch.randn(args.batch_size, 3, side, side), torch.randint(0, 10, [args.batch_size])
     say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
         f"{args.model} | batch {args.batch_size}", *notes)
-    measured = measure_amp(model, batch, criterion, device, args.precision, args.steps,
-                           args.model, say)
+    measured = measure_amp(model, batch, criterion, device, amp_dtype, args.steps, args.model, say)
     say(*amp_report(measured))
     return 0
 
@@ -720,9 +744,10 @@ class RunFolder:
     """
 
     def __init__(self, path, resume, job):
-        self.path, self.job, self.epoch, self.state = path, job, None, None
+        self.path, self.job, self.state = path, job, {}
+        # What the folder holds: a stopped run's last words.
+        self.holds = f"{path} holds no checkpoint"
         self.checkpoint = os.path.join(path, "checkpoint.pt")
-        self.metrics = os.path.join(path, "metrics.jsonl")
         if os.path.isfile(path):
             raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
         if resume and not os.path.exists(self.checkpoint):
@@ -737,27 +762,21 @@ class RunFolder:
             except BlockingIOError:
                 raise UsageError(f"another run is using {path}: wait for it, or use another "
                                  "--run-dir")
-            except OSError as e:
-                # Some Lustre and NFS mounts, where multi-GPU jobs often write, have no locks.
-                say(f"note: {path} cannot be locked here ({e.strerror}): one run at a time in "
-                    "it is up to you")
-            self.load(resume)
+            # The checkpoint this run goes on from, if there is one and it may.
+            if os.path.exists(self.checkpoint):
+                # weights_only unpickles tensors and plain containers, never code.
+                with checkpoint_at(self.checkpoint):
+                    self.state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+                    self.holds = f"{path} holds epoch {self.state['epoch']}"
+                    job = self.state["job"]
+                # A torchrun restart goes on from its own launch's checkpoint without
+                # --resume; a run without torchrun is a launch of its own.
+                if not resume and job != self.job:
+                    raise UsageError(f"{path} holds a checkpoint: add --resume, or use another "
+                                     "--run-dir")
         except BaseException:
             self.close()
             raise
-
-    def load(self, resume):
-        """Reads the checkpoint this run goes on from, if there is one and it may."""
-        if os.path.exists(self.checkpoint):
-            # weights_only unpickles tensors and plain containers, never code.
-            with checkpoint_at(self.checkpoint):
-                self.state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
-                self.epoch, job = self.state["epoch"], self.state["job"]
-            # A torchrun restart goes on from its own launch's checkpoint without --resume;
-            # a run of no launch ("none") never takes another's.
-            if not resume and (job != self.job or job == "none"):
-                raise UsageError(f"{self.path} holds a checkpoint: add --resume, or use "
-                                 "another --run-dir")
 
     def save(self, parts, flags, metrics, checkpoint=True):
         """Writes the checkpoint of epoch len(metrics), unless not `checkpoint`, then the
@@ -771,16 +790,10 @@ class RunFolder:
         try:
             if checkpoint:
                 replace_file(self.checkpoint, buffer.getvalue())
-                self.epoch = len(metrics)
-            replace_file(self.metrics, "".join(metrics).encode())
+                self.holds = f"{self.path} holds epoch {len(metrics)}"
+            replace_file(os.path.join(self.path, "metrics.jsonl"), "".join(metrics).encode())
         except OSError as e:
-            raise UsageError(f"could not write in {self.path} ({e.strerror}); {self.holds()}")
-
-    def holds(self):
-        """What the folder holds: a stopped run's last words."""
-        if self.epoch is None:
-            return f"{self.path} holds no checkpoint"
-        return f"{self.path} holds epoch {self.epoch}"
+            raise UsageError(f"could not write in {self.path} ({e.strerror}); {self.holds}")
 
     def close(self):
         os.close(self.lock)
@@ -793,22 +806,19 @@ class NoFolder:
     def save(self, *args, **kwargs):
         pass
 
-    def holds(self):
-        return "nothing is saved without --run-dir"
+    holds = "nothing was saved"
 
     def close(self):
         pass
 
 
 def replace_file(path, data):
-    """Writes `data` to `path` whole or not at all: into PATH.tmp, made anew (no link
-    followed, nothing that stood there written through), flushed to the disk, renamed."""
-    tmp = f"{path}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
+    """Writes `data` to `path` whole or not at all: into a new file of a name of its own
+    beside it (mkstemp's, so no link or file that stood there is written through), flushed
+    to the disk, renamed over `path`."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     # From the moment the file exists, a full disk or Ctrl-C must not leave it behind.
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with open(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -816,8 +826,7 @@ def replace_file(path, data):
             os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        os.unlink(tmp)
         raise
 
 
@@ -857,8 +866,8 @@ def restore(state, parts, lr, path):
 
 def open_run_folder(args, job):
     """Rank 0 takes --run-dir; every process gets (its folder, the checkpoint to go on from,
-    or None). The other processes save nothing: theirs is a NoFolder."""
-    folder, found = NoFolder(), None
+    or {}). The other processes save nothing: theirs is a NoFolder."""
+    folder, found = NoFolder(), {}
     if args.run_dir is not None and rank() == 0:
         try:
             folder = RunFolder(args.run_dir, args.resume, job)
@@ -897,7 +906,8 @@ def join_processes(device):
     rendezvous, and returns the launch's name: the host and process id of rank 0's torchrun
     agent, the one process that restarts its workers, for every restart of the launch. Under
     the static rendezvous node ranks never change, and c10d ranks its nodes by their agents,
-    so rank 0's agent stays while the same agents do. A run without torchrun is "none"."""
+    so rank 0's agent stays while the same agents do. A run without torchrun is a launch of
+    its own: its host, process id and start time, which no other run has."""
     backend, device_id = "gloo", None
     if device.type == "cuda":
         backend, device_id = "nccl", device
@@ -909,13 +919,12 @@ def join_processes(device):
         # the restarts of all its workers alike; agents on several machines count them apart
         # (pytorch issue 135712), so there each restart needs a store of its own.
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
-            store = dist.PrefixStore(f"restart{restart}", store)
+            store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
         dist.init_process_group(backend, store=store, rank=process_rank, world_size=processes,
                                 device_id=device_id)
     if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return "none"
-    return f"{socket.gethostname()}:{os.getppid()}"
+        return f"{os.uname().nodename}:{os.getpid()}:{time.time()}"
+    return f"{os.uname().nodename}:{os.getppid()}"
 
 
 # ====================================================================================
@@ -954,7 +963,6 @@ def number(kind, low, high, bounds):
 def make_parser():
     """The command line's flags, each with its help and default."""
     count = number(int, 1, sys.maxsize, "1 or more")
-    limit = number(int, 0, sys.maxsize, "0 or more")
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
@@ -963,7 +971,8 @@ def make_parser():
     add("--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="auto: cuda if a GPU is visible")
     add("--precision", default="auto", choices=["auto", *PRECISIONS],
-        help="auto: fp16 on CUDA; on a CPU, bf16 if it has bf16 instructions, else fp32")
+        help="auto: AMP (fp16 on CUDA, bf16 on a CPU) if its steps, timed on the run's own "
+        "model, take at most 0.9x fp32's; fp32 on a CPU with no bf16 instructions")
     add("--epochs", default=EPOCHS, type=count, help="linear's are steps")
     add("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
     add("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf, "more than 0"),
@@ -971,14 +980,18 @@ def make_parser():
     add("--data", default="cifar10", choices=["cifar10", "synthetic"],
         help="resnet's; synthetic: 10,000 learnable images, made offline")
     add("--data-root", default="./data", help="resnet's: CIFAR-10's folder")
-    add("--max-steps", default=0, type=limit, help="resnet's steps an epoch, and test batches; "
-        "0: off")
+    add("--max-steps", default=0, type=number(int, 0, sys.maxsize, "0 or more"),
+        help="resnet's steps an epoch, and test batches; 0: off")
     add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
         help="the gradients' largest norm; 0: off")
     add("--accum-steps", default=1, type=count, help="micro-batches a step")
-    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each epoch")
+    add("--compile", action="store_true", help="resnet's and linear's: train the model "
+        "torch.compile'd (see README for what it buys)%(default).0s")
+    # A help that holds %(default) gets no "(default: None)": %(default).0s prints nothing.
+    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each "
+        "epoch%(default).0s")
     add("--resume", action="store_true",
-        help="go on with --run-dir's run, with its flags unless given again")
+        help="go on with --run-dir's run, with its flags unless given again%(default).0s")
     add("--model", default="resnet18", help="memory's: linear, resnet18 (the CIFAR stem, at "
         "32x32), resnet18-imagenet (the post's stem), or one of torchvision's classification "
         "models, at the size its weights state")
@@ -988,27 +1001,25 @@ def make_parser():
     return p
 
 
-def parse_args(argv, state=None):
+def parse_args(argv, state):
     """The flags, checked, and the notes to print before training: one line and exit 2 for
     any mistake, through main(). A resumed run goes on with the flags of its checkpoint,
-    `state`: they are the defaults, and each flag given again comes with a note."""
-    saved, notes = {}, []
-    if state is not None:
-        saved = state["args"]
+    `state` ({} for none): they are the defaults, and each flag given again comes with a
+    note."""
+    saved, notes = state.get("args", {}), []
     parser = make_parser()
     parser.set_defaults(**saved)
     args = parser.parse_args(argv)
-    for key, value in saved.items():
-        given, name = getattr(args, key), key.replace("_", "-")
-        # A run goes on as what it was: the same example, on the same data.
-        if given != value and key in ("example", "data"):
-            raise UsageError(f"the run to resume is --{name} {value}: resume it without --{name}")
-        if given != value:
-            notes.append(f"note: --{name} {given} replaces the checkpoint's {value}")
-    for key, examples in FLAG_EXAMPLES.items():
-        if args.example not in examples and getattr(args, key) != parser.get_default(key):
-            raise UsageError(f"--{key.replace('_', '-')} is for --example "
-                             f"{' and '.join(examples)}")
+    # Parsed again into a namespace that holds None for each flag: argparse sets no default
+    # on a name already there, so a flag that is not None was given.
+    given = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args))))
+    for key, value in vars(given).items():
+        name, examples = key.replace("_", "-"), FLAG_EXAMPLES.get(key, EXAMPLES)
+        if value is not None and args.example not in examples:
+            raise UsageError(f"--{name} is for --example {' and '.join(examples)}")
+        # Another --example finds a checkpoint of another model, and ends in one line.
+        if key in saved and value not in (None, saved[key]):
+            notes.append(f"note: --{name} {value} replaces the checkpoint's {saved[key]}")
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir DIR")
     return args, notes
@@ -1019,15 +1030,14 @@ def main(argv):
     of GPU memory, and Ctrl-C each end in one line; a bug keeps its traceback."""
     folder = NoFolder()
     try:
-        args, _ = parse_args(argv)
+        args, _ = parse_args(argv, {})
         device = resolve_device(args.device)
         job = join_processes(device)
         folder, state = open_run_folder(args, job)
         args, notes = parse_args(argv, state)
-        args.precision, precision_notes = resolve_precision(args.precision, device, args.example)
         if args.example == "memory":
-            return run_memory(args, device, precision_notes + notes)
-        status = train_example(args, device, folder, state, precision_notes + notes)
+            return run_memory(args, device, notes)
+        status = train_example(args, device, folder, state, notes)
         # Every process ends its last collective before any leaves the group.
         if dist.is_initialized():
             dist.barrier()
@@ -1035,12 +1045,8 @@ def main(argv):
     except UsageError as e:
         say(f"error: {e}", file=sys.stderr)
         return 2
-    except torch.OutOfMemoryError:
-        # A process runs out on its own GPU: each says so.
-        print("error: out of GPU memory: lower --batch-size", file=sys.stderr, flush=True)
-        return 2
     except KeyboardInterrupt:
-        say(f"error: stopped by Ctrl-C; {folder.holds()}", file=sys.stderr)
+        say(f"error: stopped by Ctrl-C; {folder.holds}", file=sys.stderr)
         return 130
     finally:
         folder.close()
