@@ -972,7 +972,7 @@ def make_parser():
         help="auto: cuda if a GPU is visible")
     add("--precision", default="auto", choices=["auto", *PRECISIONS],
         help="auto: AMP (fp16 on CUDA, bf16 on a CPU) if its steps, timed on the run's own "
-        "model, take at most 0.9x fp32's; fp32 on a CPU with no bf16 instructions")
+        f"model, take at most {AUTO_MAX_RATIO}x fp32's; fp32 on a CPU with no bf16 instructions")
     add("--epochs", default=EPOCHS, type=count, help="linear's are steps")
     add("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
     add("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf, "more than 0"),
