@@ -7,6 +7,7 @@ import inspect
 import io
 import json
 import math
+import multiprocessing
 import os
 import pathlib
 import pickle
@@ -591,18 +592,14 @@ def test_without_cifar10_and_offline_one_line_says_what_to_do(tmp_path, monkeypa
     assert "nor online: put cifar-10-python.tar.gz there, or use --data synthetic" in err, err
 
 
-def as_is(inputs, generator):
-    return inputs
-
-
 def loaded(n, batch_size, epoch=0, processes=1, monkeypatch=None, **kwargs):
     """Each process's batches of samples 0..n-1 (their targets), and its len()."""
     shares = []
     monkeypatch.setenv("WORLD_SIZE", str(processes))
     for rank in range(processes):
         monkeypatch.setenv("RANK", str(rank))
-        loader = amp_train.DeviceLoader(torch.arange(n), torch.arange(n), batch_size, CPU, as_is,
-                                        **kwargs)
+        loader = amp_train.DeviceLoader(torch.arange(n), torch.arange(n), batch_size, CPU,
+                                        lambda inputs, generator: inputs, **kwargs)
         loader.epoch = epoch
         shares.append(([targets.tolist() for _, targets in loader], len(loader)))
     return shares
@@ -1152,7 +1149,10 @@ def ddp_worker(rank, argv, out_dir, port, nan_epoch):
 def run_two_processes(argv, out_dir, nan_epoch=None):
     """main(argv) in two gloo processes; returns what each did."""
     def run(port):
-        torch.multiprocessing.spawn(ddp_worker, args=(argv, out_dir, port, nan_epoch), nprocs=2)
+        # Forked from a server that imported this module once: no import of torch each time.
+        multiprocessing.set_forkserver_preload([__name__])
+        torch.multiprocessing.start_processes(ddp_worker, (argv, out_dir, port, nan_epoch), 2,
+                                              start_method="forkserver")
         return [load(out_dir / f"rank{r}.pt") for r in range(2)]
     return retry_if_the_port_was_taken(run)
 
