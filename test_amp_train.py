@@ -1149,8 +1149,9 @@ def ddp_worker(rank, argv, out_dir, port, nan_epoch):
 def run_two_processes(argv, out_dir, nan_epoch=None):
     """main(argv) in two gloo processes; returns what each did."""
     def run(port):
-        # Forked from a server that imported this module once: no import of torch each time.
-        multiprocessing.set_forkserver_preload([__name__])
+        # Forked from a server that imported this module, and the torch._dynamo that every
+        # optimizer imports, once: not again in each process.
+        multiprocessing.set_forkserver_preload([__name__, "torch._dynamo"])
         torch.multiprocessing.start_processes(ddp_worker, (argv, out_dir, port, nan_epoch), 2,
                                               start_method="forkserver")
         return [load(out_dir / f"rank{r}.pt") for r in range(2)]
