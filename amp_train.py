@@ -16,13 +16,13 @@ who came for AMP can stop where Part II begins.
 import argparse
 import contextlib
 import copy
-import fcntl
 import gc
 import io
 import itertools
 import json
 import math
 import os
+import platform
 import sys
 import tempfile
 import time
@@ -39,23 +39,25 @@ LR = 0.01
 LR_STEP_EPOCHS = 10
 LR_GAMMA = {"resnet": 0.1, "linear": 1.0}
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
-# AMP gains where the device computes in 16 bits: fp16, with a GradScaler, on CUDA's tensor
-# cores; bf16 on a CPU's bf16 instructions.
-AMP_PRECISION = {"cuda": "fp16", "cpu": "bf16"}
+# The 16-bit precisions that CUDA's tensor cores compute, best first, by the major number of
+# the compute capability. Volta (7.0) computes fp16, and Ampere (8.0) bf16 too.
+CUDA_16BIT = {7: ["fp16"], 8: ["bf16", "fp16"]}
 # The CPU instructions that compute in 16 bits, as torch.cpu.get_capabilities() names them on
 # x86 and ARM, with their precision. A CPU without them emulates it, slower than fp32.
 CPU_16BIT = {"amx_bf16": "bf16", "avx512_bf16": "bf16", "sve_bf16": "bf16", "bf16": "bf16",
              "amx_fp16": "fp16", "avx512_fp16": "fp16", "fp16_arith": "fp16"}
-# --precision auto trains in AMP where the device has 16-bit units and AMP's median step,
-# timed over AUTO_STEPS steps after the warm-up ones, takes at most AUTO_MAX_RATIO of fp32's.
-AUTO_STEPS = 2
+# On a CPU with bf16 instructions, --precision auto takes bf16 if its median step takes at
+# most AUTO_MAX_RATIO of fp32's. The steps come in TIMED_ROUNDS rounds, each of which ends in
+# one host sync.
 AUTO_MAX_RATIO = 0.9
+TIMED_ROUNDS = 3
 # CIFAR-10's mean and standard deviation, by channel.
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-# The memory example's untimed warm-up steps (the first ones allocate memory and pick
-# kernels), then its timed ones.
+# The memory example's untimed warm-up steps: the first ones allocate memory and pick kernels.
+# Then it times at most MEMORY_STEPS steps a round, as many as fit in MEMORY_SECONDS in all.
 MEMORY_WARMUP_STEPS = 3
 MEMORY_STEPS = 20
+MEMORY_SECONDS = 30
 # autograd's nodes of the views that a weight copy may be seen through, and of the cast itself.
 VIEWS_AND_CASTS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
                    "UnsafeViewBackward0", "ExpandBackward0", "UnsqueezeBackward0",
@@ -73,8 +75,8 @@ PROGRESS_SECONDS = 15
 # Part II's: the flags that mean something to some examples only (any other refuses them),
 # and those a training run keeps in its checkpoint, which a resumed run goes on with.
 EXAMPLES = ("resnet", "linear", "memory")
-FLAG_EXAMPLES = dict.fromkeys(["epochs", "lr", "clip_grad_norm", "accum_steps", "compile",
-                               "run_dir", "resume"], ["resnet", "linear"])
+FLAG_EXAMPLES = dict.fromkeys(["epochs", "lr", "clip_grad_norm", "accum_steps", "run_dir",
+                               "resume"], ["resnet", "linear"])
 FLAG_EXAMPLES.update(data=["resnet"], data_root=["resnet"], max_steps=["resnet"],
                      model=["memory"], steps=["memory"])
 RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip_grad_norm",
@@ -87,12 +89,13 @@ RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip
 # ---------- the part to copy: train_epoch, its companion to_device, and evaluate
 
 def to_device(batch, device):
-    """A batch's (inputs, targets) tensors, moved to `device`. Any other batch (a dict, inputs
-    that are a tuple), or one of 0 samples, whose mean loss is NaN, is refused."""
+    """A batch's (inputs, targets) tensors, moved to `device`. With device None nothing moves,
+    and the batch is only checked. Any other kind of batch is refused, such as a dict or inputs
+    that are a tuple. So is a batch of 0 samples, whose mean loss is NaN."""
     try:
         inputs, targets = (part.to(device, non_blocking=True) for part in batch)
     except (TypeError, ValueError, AttributeError) as e:
-        # e says what failed inside: a tuple of inputs, say, has no .to().
+        # e says what failed inside. A tuple of inputs, say, has no .to().
         raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not a "
                         f"{type(batch).__name__} ({e}): see README, 'Other batches'")
     if len(targets) == 0:
@@ -102,91 +105,98 @@ def to_device(batch, device):
 
 def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, *,
                 scheduler=None, clip_grad_norm=None, accum_steps=1):
-    """One epoch of AMP training: the torch.amp docs' loop, with gradient accumulation.
+    """One epoch of AMP training. It is the torch.amp docs' loop, with gradient accumulation.
 
-    loader yields (inputs, targets) pairs of tensors (see to_device); criterion(model(inputs),
-    targets) is the batch's mean loss. amp_dtype is torch.bfloat16, torch.float16 or None
-    (fp32). scaler is a torch.amp.GradScaler enabled for float16; bf16 and fp32 take None.
+    loader yields (inputs, targets) pairs of tensors, and criterion(model(inputs), targets) is
+    the batch's mean loss. amp_dtype is torch.bfloat16, torch.float16, or None for fp32. scaler
+    is a torch.amp.GradScaler enabled for float16. bf16 and fp32 take None.
 
-    Three choices are ours, not the docs'. Gradients are zeroed before each step's first
-    micro-batch: none left from before reaches a step. accum_steps=K steps on K micro-batches,
-    moved to the device together and weighted by their samples, as on their whole batch; a
-    short group at the loader's end steps on its own. scheduler, if given, steps after every
-    step, also one the scaler skipped (knowing would cost a host sync a step), so that torch
-    warns "Detected call of `lr_scheduler.step()` before `optimizer.step()`" when fp16's first
-    step is skipped with a plain (not fused) optimizer. So it takes a schedule by steps (a
-    warm-up, OneCycleLR); one by epochs, such as the post's StepLR(10, 0.1), given here would
-    count each step as an epoch: step that one once an epoch yourself, as the examples do.
-    clip_grad_norm (not None or 0) clips the gradients' norm before each step.
+    Three choices are ours, not the docs'. First, the gradients are zeroed before each step's
+    first micro-batch. So no gradient left from before reaches a step. Second, accum_steps=K
+    takes one step for every K micro-batches. Each micro-batch's loss is weighted by its
+    samples, so the step is the one that their whole batch would take. A short group at the
+    end of the loader takes a step of its own. Third, a scheduler steps after every step, even
+    one that the scaler skipped. Knowing which were skipped would cost a host sync a step.
+
+    So give it a schedule by steps, such as a warm-up or OneCycleLR. Step a schedule by epochs
+    yourself, once an epoch, as the examples do with the post's StepLR(10, 0.1). With a plain
+    optimizer, not a fused one, torch warns "Detected call of `lr_scheduler.step()` before
+    `optimizer.step()`" when fp16's first step is skipped. clip_grad_norm, unless it is None or
+    0, clips the gradients' norm before each step.
 
     Returns {"loss": the mean loss per sample, "samples": how many it trained on}.
     """
     device = torch.device(device)
-    # bf16 and fp32 need no loss scaling: a disabled GradScaler passes everything through.
+    # bf16 and fp32 need no loss scaling. A disabled GradScaler passes everything through.
     if scaler is None:
         scaler = torch.amp.GradScaler(device.type, enabled=False)
-    # fp16 has 5 exponent bits: without loss scaling, small gradients flush to zero.
+    # fp16 has 5 exponent bits. Without loss scaling, small gradients flush to zero.
     if amp_dtype == torch.float16 and not scaler.is_enabled():
         raise ValueError("float16 needs an enabled torch.amp.GradScaler(device.type)")
     if accum_steps < 1:
         raise ValueError(f"accum_steps must be 1 or more, not {accum_steps}")
-    # DDP all-reduces the gradients in every backward pass; its no_sync() holds that back on
-    # the micro-batches before a step's last. A model without DDP has nothing to hold back.
+    # DDP all-reduces the gradients in every backward pass. Its no_sync() holds that back, and
+    # a model without DDP has nothing to hold back.
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     model.train()
-    # The loss is summed on the device: loss.item() would make the CPU wait for the GPU.
+    # The loss is summed on the device. loss.item() would make the CPU wait for the GPU.
     loss_sum = torch.zeros((), device=device)
     samples = 0
     batches = iter(loader)
-    group = [to_device(batch, device) for batch in itertools.islice(batches, accum_steps)]
+    # A step's micro-batches stay where the loader made them until their forward pass. So
+    # only one at a time takes the device's memory.
+    group = list(itertools.islice(batches, accum_steps))
     while group:
-        # A gradient left from before (another step, a micro-batch that raised) never counts.
+        # A gradient left from before never counts, such as one from a micro-batch that raised.
         optimizer.zero_grad(set_to_none=True)
-        group_samples = sum(len(targets) for _, targets in group)
-        for micro_step, (inputs, targets) in enumerate(group):
-            ends_step = micro_step == len(group) - 1
-            with contextlib.ExitStack() as stack:
-                if not ends_step:
-                    stack.enter_context(no_sync())
-                # Autocast covers the forward pass and the loss, and no more: backward runs
+        # to_device(batch, None) checks a batch and moves nothing. Its samples weight its loss.
+        sizes = [len(to_device(batch, None)[1]) for batch in group]
+        for micro_step, batch in enumerate(group):
+            inputs, targets = to_device(batch, device)
+            # DDP all-reduces once a step, in the backward pass of its last micro-batch.
+            sync = no_sync
+            if micro_step == len(group) - 1:
+                sync = contextlib.nullcontext
+            with sync():
+                # Autocast covers the forward pass and the loss, and no more. Backward runs
                 # each op in the dtype that autocast chose for it in the forward pass.
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
                     loss = criterion(model(inputs), targets)
-                # Scaling the loss (fp16) scales every gradient with it, lifting small ones
-                # above fp16's smallest number; the weight makes the step the group's mean.
-                scaler.scale(loss * (len(targets) / group_samples)).backward()
+                # In fp16, scaling the loss scales every gradient with it. That lifts small
+                # gradients above fp16's smallest number. The weight makes the step a mean.
+                scaler.scale(loss * (len(targets) / sum(sizes))).backward()
             loss_sum += loss.detach().float() * len(targets)
-        samples += group_samples
-        # Clipping must see the true gradients: unscale_ divides them by the scale first,
-        # and step() then knows not to do it again.
+        samples += sum(sizes)
+        # Clipping must see the true gradients. unscale_ divides them by the scale first, and
+        # step() then knows not to do it again.
         if clip_grad_norm:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        # step() skips the update when a gradient is inf or NaN: the scale was too large, or
-        # the forward pass overflowed fp16, which no scale mends. The weights stay as they
-        # were, but BatchNorm's running statistics have taken that forward pass.
+        # step() skips the update when a gradient is inf or NaN. Either the scale was too
+        # large, or the forward pass overflowed fp16, which no scale mends. The weights stay
+        # as they were, but BatchNorm's running statistics have taken that forward pass.
         scaler.step(optimizer)
-        # update() halves the scale after a skipped step and doubles it after 2000 good
-        # ones, so that it stays near the largest that does not overflow.
+        # update() halves the scale after a skipped step, and doubles it after 2000 good
+        # ones. So it stays near the largest scale that does not overflow.
         scaler.update()
         if scheduler is not None:
             scheduler.step()
-        group = [to_device(batch, device) for batch in itertools.islice(batches, accum_steps)]
+        group = list(itertools.islice(batches, accum_steps))
     # The epoch's one host sync. An empty loader gives a mean of NaN.
     return {"loss": (loss_sum / samples).item(), "samples": samples}
 
 
 @torch.inference_mode()
 def evaluate(model, loader, criterion, device, amp_dtype):
-    """Mean loss and accuracy of a classifier over `loader`, under autocast as in training.
+    """The mean loss and accuracy of a classifier over `loader`, under autocast as in training.
 
-    Batches are as train_epoch's. model(inputs) must return class logits, shaped (batch,
-    classes), and targets hold class indices, as nn.CrossEntropyLoss takes them. Returns
-    {"loss", "accuracy", "samples"}; loss and accuracy are NaN for an empty loader.
+    Batches are as train_epoch takes them. model(inputs) must return class logits, shaped
+    (batch, classes), and targets hold class indices, as nn.CrossEntropyLoss takes them.
+    Returns {"loss", "accuracy", "samples"}. An empty loader gives NaN for loss and accuracy.
     """
     device = torch.device(device)
     model.eval()
-    # The loss and the correct answers, summed on the device and read once, at the end.
+    # The loss and the correct answers are summed on the device, and read once at the end.
     sums = torch.zeros(2, device=device)
     samples = 0
     for batch in loader:
@@ -203,65 +213,89 @@ def evaluate(model, loader, criterion, device, amp_dtype):
 # ---------- precision and device
 
 def resolve_device(name):
-    """--device: "auto" is a CUDA GPU where one is visible, else the CPU. Under torchrun,
-    process k takes GPU k (LOCAL_RANK) and makes it the current one, which is what NCCL and
-    torch.cuda.is_bf16_supported() ask. cudnn.benchmark goes on: cuDNN then times its
-    convolution algorithms once, for shapes that never change here."""
-    if name == "cpu" or name == "auto" and not torch.cuda.is_available():
+    """--device: "auto" is torch's accelerator (CUDA, MPS or XPU) where it finds one, else the
+    CPU. Under torchrun, process k takes device k (LOCAL_RANK) and makes it the current one,
+    as NCCL asks."""
+    accelerator = "cpu"
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator().type
+    name = name.replace("auto", accelerator)
+    if name == "cpu":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UsageError("no CUDA GPU is visible: use --device cpu")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.backends.cudnn.benchmark = True
-    return torch.device("cuda", torch.cuda.current_device())
+    if name != accelerator:
+        raise UsageError(f"torch finds no {name} device here: use --device auto or cpu")
+    torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name, torch.accelerator.current_device_index())
 
 
 def cpu_16bit():
     """The CPU's 16-bit instructions that torch finds, by their names in CPU_16BIT, each with
     the precision it computes in."""
-    if hasattr(torch.cpu, "get_capabilities"):
-        capabilities = torch.cpu.get_capabilities()
-    else:
-        # torch 2.6 names two privately only: a test checks them against /proc/cpuinfo.
-        capabilities = {"amx_bf16": torch.cpu._is_amx_tile_supported(),
-                        "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
+    # torch 2.6 has no get_capabilities: there a CPU shows none, and auto trains in fp32 on it.
+    capabilities = getattr(torch.cpu, "get_capabilities", dict)()
     return {name: bits for name, bits in CPU_16BIT.items() if capabilities.get(name)}
 
 
+def native_16bit(device):
+    """The 16-bit precisions that `device` computes natively, best first, as README's table
+    lists them. Any other is emulated there, and slower than fp32."""
+    if device.type == "cuda":
+        # Tensor cores compute fp16 from compute capability 7.0 (Volta), and bf16 from 8.0.
+        return CUDA_16BIT.get(min(torch.cuda.get_device_capability(device)[0], 8), [])
+    # Apple's GPUs compute fp16, and bf16 from macOS 14 on.
+    if device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
+        return ["fp16"]
+    if device.type in ("mps", "xpu"):
+        return ["bf16", "fp16"]
+    return list(dict.fromkeys(cpu_16bit().values()))
+
+
 def device_label(device):
-    """The device as headers and verdicts name it: a CPU with its 16-bit instructions, or a
-    GPU with its TF32 settings, which make fp32's convolutions and matmuls faster and
-    coarser: the baseline that AMP is measured against."""
+    """The device as headers and verdicts name it. A CPU comes with its 16-bit instructions.
+    A CUDA GPU comes with its name and the precision of fp32's matmuls and convolutions:
+    "ieee", or "tf32", which is faster and coarser. That fp32 is what AMP is measured against."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     if device.type == "cpu":
         return f"cpu (16-bit instructions: {list(cpu_16bit())})"
-    return (f"{device} (TF32: cudnn {torch.backends.cudnn.allow_tf32}, matmul "
-            f"{torch.backends.cuda.matmul.allow_tf32})")
+    if device.type != "cuda":
+        return str(device)
+    # Before torch 2.9 allow_tf32 is the only API. After it, allow_tf32 raises once the new
+    # fp32_precision has been set, so the new one is read where torch has it.
+    if hasattr(cuda.matmul, "fp32_precision"):
+        fp32 = [op.fp32_precision for op in (cuda.matmul, cudnn.conv)]
+        # An op set to "none" takes the setting of CUDA as a whole, then torch's, then IEEE's.
+        for parent in (cudnn.fp32_precision, torch.backends.fp32_precision, "ieee"):
+            fp32 = [setting.replace("none", parent) for setting in fp32]
+    else:
+        fp32 = [["ieee", "tf32"][allowed] for allowed in (cuda.matmul.allow_tf32, cudnn.allow_tf32)]
+    return f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul {fp32[0]}, conv {fp32[1]})"
 
 
 def choose_precision(name, model, batch, criterion, device):
-    """The resnet and linear examples' --precision, and the notes that say what it costs. Where
-    the device has 16-bit units for AMP (fp16 on CUDA, bf16 on a CPU), "auto" times
-    AUTO_STEPS steps of the run's own model on its first batch in fp32 and in AMP, and takes
-    AMP if its steps take at most AUTO_MAX_RATIO of fp32's; under torchrun every process
-    measures on its own device, and takes rank 0's choice. A CPU that emulates bf16 trains in
-    fp32 at once. Returns the precision and its notes."""
-    amp = AMP_PRECISION[device.type]
-    native = set(cpu_16bit().values())
-    if device.type == "cuda":
-        native = {"fp16", "bf16"}
-    if name not in native | {"fp32", "auto"}:
-        return name, [f"note: {name} is emulated here, slower than fp32"]
-    if name != "auto":
-        return name, []
-    if amp not in native:
-        return "fp32", ["note: auto trains in fp32: this CPU has no bf16 instructions"]
-    measured = measure_amp(model, batch, criterion, device, PRECISIONS[amp], AUTO_STEPS, log=say)
-    ratio = measured[amp]["median_step_seconds"] / measured["fp32"]["median_step_seconds"]
-    precision = "fp32"
-    if ratio <= AUTO_MAX_RATIO:
-        precision = amp
-    return from_rank_0((precision, [f"note: auto trains in {precision}: {amp} steps took "
-                                    f"{ratio:.2f}x fp32's here ({AUTO_STEPS} steps each)"]))
+    """The precision to train in, and the notes that say why. A precision that the device does
+    not compute natively trains with a note. "auto" takes bf16 where it is native, since it
+    needs no GradScaler. It takes fp16 next, but on CUDA alone. MPS's GradScaler fails before
+    torch 2.8 and had bugs after it, and XPU's needs fp64 units, which Intel's Arc GPUs lack.
+    A CPU's bf16 must earn its place first. Its steps on the run's model and first batch are
+    timed against fp32's, and it is taken if they take at most AUTO_MAX_RATIO of their time.
+    Under torchrun every process takes rank 0's choice, on every path."""
+    precision, native, notes = name, native_16bit(device), []
+    if name not in [*native, "fp32", "auto"]:
+        notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
+    if name == "auto":
+        precision = "fp32"
+        if native and (native[0] == "bf16" or device.type == "cuda"):
+            precision = native[0]
+        notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
+    if name == "auto" and precision == "bf16" and device.type == "cpu":
+        measured = measure_amp(model, batch, criterion, device, torch.bfloat16, 1, math.inf,
+                               log=say)
+        ratio = measured["bf16"]["median_step_seconds"] / measured["fp32"]["median_step_seconds"]
+        if ratio > AUTO_MAX_RATIO:
+            precision = "fp32"
+        notes = [f"note: auto trains in {precision}: bf16 steps took {ratio:.2f}x fp32's here "
+                 f"(the median of {TIMED_ROUNDS})"]
+    return from_rank_0((precision, notes))
 
 
 def make_optimizer(model, lr):
@@ -331,9 +365,8 @@ class DeviceLoader:
             order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed))
             order = order[rank()::world_size()]
         order = order[:len(self) * self.batch_size]
-        # Each process crops and flips its own way: its rank shifts the seed by a prime.
-        augment = torch.Generator(self.targets.device)
-        augment.manual_seed((seed + 7919 * (rank() + 1)) % 2**32)
+        # Each process crops its own images: one draw of crops for all of them does no harm.
+        augment = torch.Generator(self.targets.device).manual_seed(seed)
         for index in order.to(self.targets.device).split(self.batch_size):
             yield self.transform(self.inputs[index], augment), self.targets[index]
 
@@ -377,14 +410,16 @@ def synthetic_cifar10(size, seed=0, train=True):
 
 def cifar10(root):
     """CIFAR-10's training and test images and labels, downloaded into `root` if missing.
-    Under torchrun rank 0 alone downloads: two downloads into one folder corrupt it."""
+    Two downloads into one folder would corrupt it, so each process downloads under a lock
+    on the folder. The first to take it downloads, and the others then find the files there.
+    A lock waits as long as the download takes, where a collective would time out."""
+    # filelock comes with torch, and locks on every system.
+    import filelock
     import torchvision
-    if rank() == 0:
-        # Offline the download fails, and the error below says what to do.
-        with contextlib.suppress(OSError, RuntimeError):
+    # Offline the download fails, and the error below says what to do.
+    with contextlib.suppress(OSError, RuntimeError):
+        with filelock.FileLock(os.path.join(root, "download.lock")):
             torchvision.datasets.CIFAR10(root, download=True)
-    # The others wait for rank 0's download.
-    from_rank_0(None)
     try:
         sets = [torchvision.datasets.CIFAR10(root, train=train) for train in (True, False)]
     except (OSError, RuntimeError):
@@ -452,11 +487,6 @@ def train_example(args, device, folder, state, notes):
     trained = model
     if world_size() > 1:
         trained = nn.parallel.DistributedDataParallel(model)
-    # Compiled around DDP, as torch's DDP notes advise: its graph then breaks at DDP's
-    # buckets, so that each all-reduce overlaps the backward pass. parts keep the plain
-    # model, whose state dict a checkpoint saves.
-    if args.compile:
-        trained = torch.compile(trained)
     # Saved before the first epoch: every write is tried before anything is trained.
     folder.save(parts, flags, metrics)
     for epoch in range(len(metrics), args.epochs):
@@ -605,48 +635,58 @@ def count_saved_tensors(model):
         counts["weight_copy_bytes" if copied else "activation_bytes"] += storage.nbytes()
 
 
-def measure_training(model, batch, criterion, device, amp_dtype, steps, label, log):
-    """Trains a copy of `model` on one batch: warm-up steps, the first of which counts what
-    autograd saved, then `steps` timed ones (and, on CUDA, the peak memory)."""
+def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log):
+    """Trains a copy of `model` on one batch, and measures it. The first step counts what
+    autograd saves. After the warm-up, TIMED_ROUNDS rounds of at most `steps` steps are
+    timed, as many as fit in `seconds`. Where torch keeps a peak of memory (CUDA, XPU), the
+    timed steps' peak is read too."""
     model = copy.deepcopy(model).to(device)
     optimizer = make_optimizer(model, LR)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
     batch = to_device(batch, device)
+    memory = torch.get_device_module(device.type)
+    peak = hasattr(memory, "max_memory_allocated")
 
-    def step():
+    def seconds_a_step(n):
+        # n steps end in train_epoch's one host sync: the time is the device's, not the launches'.
         start = time.perf_counter()
-        # train_epoch ends in a host sync: the time is the device's as well.
-        train_epoch(model, [batch], optimizer, criterion, scaler, device, amp_dtype)
-        return time.perf_counter() - start
-    # The first steps allocate memory and choose kernels: untimed. The first one counts what
-    # autograd saves, which every step saves alike.
+        train_epoch(model, [batch] * n, optimizer, criterion, scaler, device, amp_dtype)
+        return (time.perf_counter() - start) / n
+    # Every step saves the same tensors for backward.
     with count_saved_tensors(model) as measured:
-        step()
-    for _ in range(MEMORY_WARMUP_STEPS - 1):
-        step()
-    if device.type == "cuda":
-        # The timed steps' peak alone, not what came before them.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds = [step() for _ in progress(range(steps), f"{label}: timed step", log)]
-    if device.type == "cuda":
-        measured["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-    # The middle step, or the slower of the two in the middle.
-    median = sorted(seconds)[len(seconds) // 2]
-    return {**measured, "median_step_seconds": median, "fastest_step_seconds": min(seconds),
+        step = seconds_a_step(1)
+    # The first steps allocate memory and pick kernels, so they are not timed. A step longer
+    # than a round's share of `seconds` (emulated bf16, say) hides those costs: one is timed.
+    rounds, warmups = TIMED_ROUNDS, MEMORY_WARMUP_STEPS - 1
+    if step > seconds / TIMED_ROUNDS:
+        rounds, warmups = 1, 0
+    for _ in range(warmups):
+        step = seconds_a_step(1)
+    per_round = int(max(1, min(steps, seconds / rounds / step)))
+    log(f"  {label}: {warmups + 1} warm-up steps, the last {cell('step_seconds', step)}; timing "
+        f"{rounds} x {per_round} steps")
+    if peak:
+        memory.reset_peak_memory_stats(device)
+    timed = [seconds_a_step(per_round) for _ in progress(range(rounds), f"{label}: round", log)]
+    if peak:
+        measured["peak_bytes"] = memory.max_memory_allocated(device)
+    # The middle round's steps.
+    median = sorted(timed)[len(timed) // 2]
+    return {**measured, "median_step_seconds": median, "fastest_step_seconds": min(timed),
             "samples_per_second": len(batch[1]) / median}
 
 
 def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps=MEMORY_STEPS,
-                name="model", log=print):
-    """What AMP buys on `model`: copies of it trained on one (inputs, targets) batch in fp32
-    and with amp_dtype (torch.bfloat16 or torch.float16, as train_epoch takes it), side by
-    side. Each takes 3 warm-up steps and `steps` timed ones; log() hears when each starts
-    and, if steps are slow, how far it got.
+                seconds=MEMORY_SECONDS, name="model", log=print):
+    """What AMP buys on `model`, measured side by side. Copies of it train on one (inputs,
+    targets) batch in fp32 and with amp_dtype, which is torch.bfloat16 or torch.float16, as
+    train_epoch takes it. Each takes up to 3 warm-up steps. Then its steps are timed in 3
+    rounds of at most `steps` steps, as many as fit in `seconds`. log() hears when each
+    precision starts, how many steps it times, and how far slow steps got.
 
-    Returns {"fp32": ..., "bf16" or "fp16": ...}, each with the bytes that autograd saved for
-    backward (activations, and autocast's weight copies), its step times and samples per
-    second (and, on CUDA, its peak memory), and the labels that amp_report prints.
+    Returns {"fp32": ..., "bf16" or "fp16": ...}. Each holds the bytes that autograd saved for
+    backward (activations, and autocast's weight copies), the step times, the samples per
+    second, and on CUDA and XPU the peak memory. The labels that amp_report prints come too.
     """
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(amp_dtype)
     if precision is None:
@@ -655,9 +695,9 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
                 "precision": precision}
     for label in ("fp32", precision):
-        log(f"measuring {label}: {MEMORY_WARMUP_STEPS} + {steps} steps")
+        log(f"measuring {label}")
         measured[label] = measure_training(model, batch, criterion, device, PRECISIONS[label],
-                                           steps, label, log)
+                                           steps, seconds, label, log)
     return measured
 
 
@@ -705,11 +745,12 @@ def run_memory(args, device, notes):
     """The memory example: --model and a batch of random data, measured by measure_amp: the
     post's Linear(10, 1) problem, or an image model (see image_classifier) in channels_last,
     the layout oneDNN's and cuDNN's convolutions then use. Returns 0."""
-    # It compares AMP with fp32, and its "auto" is AMP on every device: whether AMP pays is
-    # what it measures.
-    amp_dtype = PRECISIONS[args.precision.replace("auto", AMP_PRECISION[device.type])]
-    if amp_dtype is None:
+    # It compares AMP with fp32. Its "auto" is the device's best native 16-bit precision, or
+    # else bf16: whether AMP pays is what it measures.
+    precision = args.precision.replace("auto", (native_16bit(device) + ["bf16"])[0])
+    if precision == "fp32":
         raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
+    precision, precision_notes = choose_precision(precision, None, None, None, device)
     torch.manual_seed(args.seed)
     model, criterion = nn.Linear(10, 1), nn.MSELoss()
     batch = linear_batch(args.batch_size, args.seed)
@@ -718,8 +759,9 @@ def run_memory(args, device, notes):
         model, criterion = model.to(memory_format=torch.channels_last), nn.CrossEntropyLoss()
         batch = torch.randn(args.batch_size, 3, side, side), torch.randint(0, 10, [args.batch_size])
     say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
-        f"{args.model} | batch {args.batch_size}", *notes)
-    measured = measure_amp(model, batch, criterion, device, amp_dtype, args.steps, args.model, say)
+        f"{args.model} | batch {args.batch_size}", *precision_notes, *notes)
+    measured = measure_amp(model, batch, criterion, device, PRECISIONS[precision], args.steps,
+                           MEMORY_SECONDS, args.model, say)
     say(*amp_report(measured))
     return 0
 
@@ -748,6 +790,12 @@ class RunFolder:
         # What the folder holds: a stopped run's last words.
         self.holds = f"{path} holds no checkpoint"
         self.checkpoint = os.path.join(path, "checkpoint.pt")
+        # Imported here: native Windows has no fcntl, and only --run-dir needs it.
+        try:
+            import fcntl
+        except ImportError:
+            raise UsageError("--run-dir locks its folder with fcntl, which this system lacks: "
+                             "run without --run-dir, or under WSL")
         if os.path.isfile(path):
             raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
         if resume and not os.path.exists(self.checkpoint):
@@ -901,16 +949,13 @@ def from_rank_0(value):
     return values[0]
 
 
-def join_processes(device):
-    """Under torchrun, joins the other processes (NCCL on GPUs, gloo on CPUs) through its
+def join_processes():
+    """Under torchrun, joins the other processes through its
     rendezvous, and returns the launch's name: the host and process id of rank 0's torchrun
     agent, the one process that restarts its workers, for every restart of the launch. Under
     the static rendezvous node ranks never change, and c10d ranks its nodes by their agents,
     so rank 0's agent stays while the same agents do. A run without torchrun is a launch of
     its own: its host, process id and start time, which no other run has."""
-    backend, device_id = "gloo", None
-    if device.type == "cuda":
-        backend, device_id = "nccl", device
     if world_size() > 1:
         store, process_rank, processes = next(dist.rendezvous("env://"))
         # The static rendezvous, and c10d's unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, keep
@@ -920,11 +965,11 @@ def join_processes(device):
         # (pytorch issue 135712), so there each restart needs a store of its own.
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-        dist.init_process_group(backend, store=store, rank=process_rank, world_size=processes,
-                                device_id=device_id)
+        # torch takes each device's own backend: NCCL for CUDA, XCCL for XPU, gloo for CPUs.
+        dist.init_process_group(store=store, rank=process_rank, world_size=processes)
     if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return f"{os.uname().nodename}:{os.getpid()}:{time.time()}"
-    return f"{os.uname().nodename}:{os.getppid()}"
+        return f"{platform.node()}:{os.getpid()}:{time.time()}"
+    return f"{platform.node()}:{os.getppid()}"
 
 
 # ====================================================================================
@@ -968,11 +1013,12 @@ def make_parser():
     add = p.add_argument
     add("--example", default="resnet", choices=EXAMPLES, help="resnet: ResNet18 on CIFAR-10; "
         "linear: the post's Linear(10, 1); memory: fp32 and AMP side by side")
-    add("--device", default="auto", choices=["auto", "cpu", "cuda"],
-        help="auto: cuda if a GPU is visible")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps", "xpu"],
+        help="auto: torch's accelerator if it finds one, else cpu")
     add("--precision", default="auto", choices=["auto", *PRECISIONS],
-        help="auto: AMP (fp16 on CUDA, bf16 on a CPU) if its steps, timed on the run's own "
-        f"model, take at most {AUTO_MAX_RATIO}x fp32's; fp32 on a CPU with no bf16 instructions")
+        help="auto: bf16 where the device computes it natively, fp16 on CUDA GPUs before "
+        "compute capability 8.0, fp32 elsewhere (README's table). On a CPU bf16 is timed first, "
+        f"and taken if its steps take at most {AUTO_MAX_RATIO}x fp32's")
     add("--epochs", default=EPOCHS, type=count, help="linear's are steps")
     add("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
     add("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf, "more than 0"),
@@ -985,8 +1031,6 @@ def make_parser():
     add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
         help="the gradients' largest norm; 0: off")
     add("--accum-steps", default=1, type=count, help="micro-batches a step")
-    add("--compile", action="store_true", help="resnet's and linear's: train the model "
-        "torch.compile'd (see README for what it buys)%(default).0s")
     # A help that holds %(default) gets no "(default: None)": %(default).0s prints nothing.
     add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each "
         "epoch%(default).0s")
@@ -995,7 +1039,8 @@ def make_parser():
     add("--model", default="resnet18", help="memory's: linear, resnet18 (the CIFAR stem, at "
         "32x32), resnet18-imagenet (the post's stem), or one of torchvision's classification "
         "models, at the size its weights state")
-    add("--steps", default=MEMORY_STEPS, type=count, help="memory's timed steps, after 3 warm-ups")
+    add("--steps", default=MEMORY_STEPS, type=count, help="memory's most timed steps in each "
+        f"of its {TIMED_ROUNDS} rounds, which fit in about {MEMORY_SECONDS} s")
     add("--seed", default=0, type=number(int, 0, 2**32 - 1, "from 0 to 2**32 - 1"),
         help="seeds the weights, the data and its order")
     return p
@@ -1032,7 +1077,9 @@ def main(argv):
     try:
         args, _ = parse_args(argv, {})
         device = resolve_device(args.device)
-        job = join_processes(device)
+        # cuDNN times its convolution algorithms once, for shapes that never change here.
+        torch.backends.cudnn.benchmark = True
+        job = join_processes()
         folder, state = open_run_folder(args, job)
         args, notes = parse_args(argv, state)
         if args.example == "memory":

@@ -3,6 +3,7 @@ module's order. CUDA cases run where a GPU is. Run: python -m pytest -q"""
 import contextlib
 import faulthandler
 import functools
+import importlib.util
 import inspect
 import io
 import json
@@ -34,7 +35,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 CPU = torch.device("cpu")
 FP16, BF16 = torch.float16, torch.bfloat16
 MSE = nn.MSELoss()
-LINEAR = ["--device", "cpu", "--example", "linear"]
+LINEAR = ["--device", "cpu", "--example", "linear", "--precision", "fp32"]
 LINEAR_FP16 = LINEAR + ["--precision", "fp16"]
 # The resnet example on synthetic data, two steps an epoch; the `fast` fixture makes its
 # ResNet18 a small model.
@@ -160,37 +161,50 @@ def readme_blocks(heading):
 
 # ---------- the part to copy
 
-def test_readmes_copy_this_block_is_to_device_and_train_epoch_verbatim():
+def test_readmes_copy_this_block_holds_to_device_train_epoch_and_evaluate_verbatim():
     block = readme_blocks("## Copy this")[0]
-    for function in (amp_train.to_device, amp_train.train_epoch):
+    for function in (amp_train.to_device, amp_train.train_epoch, amp_train.evaluate):
         assert inspect.getsource(function) in block, f"README's {function.__name__} differs"
     assert README[:README.index("## Copy this")].count("\n") < 120, "Copy this comes late"
 
 
-@pytest.mark.parametrize("gpu,found,amp_dtype", [
-    (False, ["amx_bf16", "avx512_bf16"], BF16), (False, ["bf16"], BF16), (False, [], None),
-    (True, [], FP16)])
-def test_readmes_copy_this_block_runs_alone_never_picks_emulated_bf16_and_trains_as_the_docs(
-        gpu, found, amp_dtype, monkeypatch):
+def test_readmes_copy_this_block_runs_alone_and_trains_as_the_docs_loop(monkeypatch, capsys):
     block = readme_blocks("## Copy this")[0]
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-    fake_cpu(monkeypatch, *found)
-    user = {}
+    # No AMX: fp32, in which the docs' loop is an independent reference.
+    fake_cpu(monkeypatch, "avx512_bf16")
+    user, reference = {}, {}
+    torch.manual_seed(0)
     exec(compile(block, "README.md", "exec"), user)
+    torch.manual_seed(0)
+    exec(compile(block[:block.index("for epoch in range(3):")], "README.md", "exec"), reference)
+    for _ in range(3):
+        for inputs, targets in reference["train_loader"]:
+            reference["optimizer"].zero_grad()
+            reference["criterion"](reference["model"](inputs), targets).backward()
+            reference["optimizer"].step()
+        # evaluate's pass over the test loader draws a seed from torch's generator too.
+        iter(reference["test_loader"])
+    assert user["amp_dtype"] is None and all(torch.equal(*pair) for pair in zip(
+        user["model"].parameters(), reference["model"].parameters())), "not the docs' loop"
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"(epoch \d \| train loss [\d.]+ \| test loss [\d.]+ \| test acc "
+                        r"+[\d.]+%\n){3}", out), out
+
+
+@pytest.mark.parametrize("kind,capability,macos,found,amp_dtype", [
+    ("cuda", (9, 0), 14, [], BF16), ("cuda", (7, 5), 14, [], FP16), ("cuda", (6, 1), 14, [], None),
+    ("mps", None, 14, [], BF16), ("mps", None, 13, [], None), ("xpu", None, 14, [], BF16),
+    ("cpu", None, 14, ["amx_bf16", "avx512_bf16"], BF16), ("cpu", None, 14, ["avx512_bf16"], None),
+    ("cpu", None, 14, ["bf16"], None), ("cpu", None, 14, [], None)])
+def test_readmes_set_up_lines_follow_the_table_but_take_bf16_on_a_cpu_with_amx_alone(
+        kind, capability, macos, found, amp_dtype, monkeypatch):
+    fake_accelerator(monkeypatch, kind, capability, macos)
+    fake_cpu(monkeypatch, *found)
+    block = readme_blocks("## Copy this")[0]
+    user = {"torch": torch}
+    exec(block[block.index("# Once, where"):block.index("# Your model")], user)
     assert (user["device"].type, user["amp_dtype"], user["scaler"].is_enabled()) == (
-        ["cpu", "cuda"][gpu], amp_dtype, amp_dtype is FP16), user
-    # Then the usage line, as a user's script has it, in fp32 on the CPU: the docs' loop.
-    model, optimizer, _ = linear_setup(lr=0.1)
-    user.update(model=model, optimizer=optimizer, criterion=MSE, loader=batches_of([8] * 3),
-                device="cpu", amp_dtype=None, scaler=None)
-    exec(re.search(r"^#\s+(stats = train_epoch\(.*\))$", block, re.M).group(1), user)
-    reference, reference_optimizer, _ = linear_setup(lr=0.1)
-    # The torch.amp docs' loop, in fp32: an independent reference.
-    for inputs, targets in batches_of([8] * 3):
-        reference_optimizer.zero_grad()
-        MSE(reference(inputs), targets).backward()
-        reference_optimizer.step()
-    assert torch.equal(model.weight, reference.weight) and user["stats"]["samples"] == 24
+        kind, amp_dtype, amp_dtype is FP16), user
 
 
 def test_fp16_without_an_enabled_gradscaler_no_steps_or_a_batch_of_0_samples_are_refused():
@@ -329,6 +343,17 @@ def test_ddp_all_reduces_once_a_step_it_holds_back_on_the_micro_batches_before_i
     assert model.held == [0, 1, 2, 3], "groups of 4 and 2: 3 micro-batches held back, then 1"
 
 
+def test_each_micro_batch_reaches_the_device_just_before_its_forward_pass(monkeypatch):
+    events, real = [], amp_train.to_device
+    monkeypatch.setattr(amp_train, "to_device", lambda batch, device: events.append(
+        f"to {device}") or real(batch, device))
+    model = nn.Linear(10, 1)
+    model.register_forward_hook(lambda *_: events.append("forward"))
+    train(model, batches_of([4, 4, 2]), torch.optim.SGD(model.parameters()), None, accum_steps=3)
+    # to_device(batch, None) checks a batch and counts its samples: it moves nothing.
+    assert events == ["to None"] * 3 + ["to cpu", "forward"] * 3, events
+
+
 def host_syncs(monkeypatch, steps, amp_dtype, make_optimizer):
     """How often train_epoch reads a tensor's value on the host (each read waits for the
     device), over `steps` steps."""
@@ -375,73 +400,6 @@ def test_readmes_dict_batch_adapter_trains():
     assert train(model, user["pairs"], optimizer, scaler)["samples"] == 16
 
 
-def not_enough():
-    """README's "When train_epoch is not enough": each block run in a namespace of its own."""
-    blocks = readme_blocks("## When train_epoch is not enough")
-    assert len(blocks) == 2, "two models, a gradient penalty"
-    spaces = [{"torch": torch} for _ in blocks]
-    for block, space in zip(blocks, spaces):
-        exec(compile(block, "README.md", "exec"), space)
-    return spaces
-
-
-def two_linears():
-    torch.manual_seed(1)
-    models = nn.Linear(10, 1), nn.Linear(10, 1)
-    return (*models, *(torch.optim.SGD(m.parameters(), lr=0.01) for m in models),
-            torch.amp.GradScaler("cpu"))
-
-
-def test_readmes_two_models_loop_is_the_docs_loop():
-    model0, model1, optimizer0, optimizer1, scaler = two_linears()
-    not_enough()[0]["train_two_models"](model0, model1, optimizer0, optimizer1,
-                                        batches_of([8] * 4), MSE, scaler, "cpu", FP16)
-    ref0, ref1, optimizer0, optimizer1, scaler = two_linears()
-    # The torch.amp examples page's loop, on "cpu".
-    for input, target in batches_of([8] * 4):
-        optimizer0.zero_grad()
-        optimizer1.zero_grad()
-        with torch.autocast(device_type="cpu", dtype=torch.float16):
-            output0, output1 = ref0(input), ref1(input)
-            loss0 = MSE(2 * output0 + 3 * output1, target)
-            loss1 = MSE(3 * output0 - 5 * output1, target)
-        scaler.scale(loss0).backward(retain_graph=True)
-        scaler.scale(loss1).backward()
-        scaler.unscale_(optimizer0)
-        scaler.step(optimizer0)
-        scaler.step(optimizer1)
-        scaler.update()
-    assert torch.equal(model0.weight, ref0.weight) and torch.equal(model1.weight, ref1.weight)
-
-
-def test_readmes_gradient_penalty_loop_is_the_docs_loop_bit_for_bit():
-    model, optimizer, scaler = linear_setup(amp_dtype=FP16)
-    not_enough()[1]["train_with_gradient_penalty"](model, batches_of([8] * 4), optimizer, MSE,
-                                                   scaler, "cpu", FP16)
-    reference, optimizer, scaler = linear_setup(amp_dtype=FP16)
-    # The torch.amp examples page's loop, on "cpu".
-    for input, target in batches_of([8] * 4):
-        optimizer.zero_grad()
-        with torch.autocast(device_type="cpu", dtype=torch.float16):
-            output = reference(input)
-            loss = MSE(output, target)
-        scaled_grad_params = torch.autograd.grad(outputs=scaler.scale(loss),
-                                                 inputs=reference.parameters(), create_graph=True)
-        inv_scale = 1. / scaler.get_scale()
-        grad_params = [p * inv_scale for p in scaled_grad_params]
-        with torch.autocast(device_type="cpu", dtype=torch.float16):
-            grad_norm = 0
-            for grad in grad_params:
-                grad_norm += grad.pow(2).sum()
-            grad_norm = grad_norm.sqrt()
-            loss = loss + grad_norm
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    assert torch.equal(model.weight, reference.weight), (model.weight, reference.weight)
-    assert not torch.equal(model.weight, linear_setup()[0].weight), "it did not train"
-
-
 # ---------- precision and device
 
 def fake_cpu(monkeypatch, *instructions):
@@ -450,70 +408,124 @@ def fake_cpu(monkeypatch, *instructions):
                         raising=False)
 
 
-def test_a_cpus_label_names_the_16_bit_instructions_proc_cpuinfo_lists_a_gpus_its_tf32(
-        monkeypatch):
-    flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
-    # torch 2.6 asks for two of them only.
-    known = getattr(torch.cpu, "get_capabilities", lambda: ("amx_bf16", "avx512_bf16"))()
-    expected = [name for name in amp_train.CPU_16BIT if name in flags and name in known]
-    assert list(amp_train.cpu_16bit()) == expected, flags
-    assert amp_train.device_label(CPU) == f"cpu (16-bit instructions: {expected})"
-    # A GPU's names its TF32 settings, fp32's baseline; matmul's is turned on, to show it is read.
-    monkeypatch.setattr(torch.backends.cuda, "matmul", type("Matmul", (), {"allow_tf32": True}))
-    label = amp_train.device_label(torch.device("cuda:0"))
-    assert label == "cuda:0 (TF32: cudnn True, matmul True)", label
+def fake_accelerator(monkeypatch, kind, capability=(9, 0), macos=14):
+    """Makes torch find an accelerator of this kind ("cpu" for none): a CUDA GPU of this
+    compute capability, or a Mac on this macOS. Returns the device indices it was set to."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: kind == "cuda")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: kind != "cpu")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device(kind))
+    monkeypatch.setattr(torch.accelerator, "set_device_index", current.append)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: current[-1])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, _: macos >= major)
+    return current
 
 
-@pytest.mark.parametrize("device,found,name,precision,note", [
-    ("cpu", [], "auto", "fp32", "note: auto trains in fp32: this CPU has no bf16 instructions"),
-    ("cpu", [], "bf16", "bf16", "note: bf16 is emulated here, slower than fp32"),
-    ("cpu", ["avx512_bf16"], "fp16", "fp16", "note: fp16 is emulated here, slower than fp32"),
-    ("cpu", [], "fp32", "fp32", None), ("cpu", ["sve_bf16"], "bf16", "bf16", None),
-    ("cpu", ["amx_fp16"], "fp16", "fp16", None), ("cpu", ["fp16_arith"], "fp16", "fp16", None),
-    ("cuda", [], "bf16", "bf16", None), ("cuda", [], "fp16", "fp16", None)])
-def test_a_precision_that_the_device_emulates_trains_with_a_note_and_auto_there_is_fp32(
-        device, found, name, precision, note, monkeypatch):
-    fake_cpu(monkeypatch, *found)
-    chosen, notes = amp_train.choose_precision(name, None, None, None, torch.device(device))
-    assert (chosen, notes) == (precision, [note][:bool(note)]), (chosen, notes)
+@pytest.mark.parametrize("row,kind,capability,macos,auto,not_native", [
+    ("CUDA, compute capability 8.0 on", "cuda", (9, 0), 14, "bf16", []),
+    ("CUDA, compute capability 8.0 on", "cuda", (8, 0), 14, "bf16", []),
+    ("CUDA, compute capability 7.x", "cuda", (7, 5), 14, "fp16", ["bf16"]),
+    ("CUDA before 7.0", "cuda", (6, 1), 14, "fp32", ["bf16", "fp16"]),
+    ("Apple silicon, macOS 14 on", "mps", None, 14, "bf16", []),
+    ("Apple silicon, macOS 13", "mps", None, 13, "fp32", ["bf16"]),
+    ("Intel GPU", "xpu", None, 14, "bf16", []),
+    ("CPU without bf16 instructions", "cpu", [], 14, "fp32", ["bf16", "fp16"]),
+    ("CPU without bf16 instructions", "cpu", ["fp16_arith"], 14, "fp32", ["bf16"])])
+def test_auto_follows_readmes_table_and_a_precision_the_device_lacks_trains_with_a_note(
+        row, kind, capability, macos, auto, not_native, monkeypatch):
+    fake_accelerator(monkeypatch, kind, capability, macos)
+    fake_cpu(monkeypatch, *(capability if kind == "cpu" else []))
+    chosen, notes = amp_train.choose_precision("auto", None, None, None, torch.device(kind))
+    assert chosen == auto and notes[0].startswith(f"note: auto trains in {auto}: "), notes
+    for name in ("fp32", "bf16", "fp16"):
+        chosen, notes = amp_train.choose_precision(name, None, None, None, torch.device(kind))
+        assert chosen == name and notes == [f"note: {name} is not native on {kind} here, so it "
+                                            "is slower than fp32"][:name in not_native], notes
+    assert f"| {row} | {auto} |" in README, f"README's table has no row {row!r} for {auto}"
 
 
 @pytest.mark.parametrize("found,ratio,chosen", [
-    (["amx_bf16"], 0.37, "bf16"), (["avx512_bf16"], 1.06, "fp32"), ([], None, "fp32")])
-def test_auto_measures_where_the_cpu_has_bf16_and_takes_amp_if_clearly_faster_and_keeps_it(
+    (["amx_bf16"], 0.37, "bf16"), (["avx512_bf16"], 1.06, "fp32"), (["sve_bf16"], 0.9, "bf16")])
+def test_auto_on_a_cpu_with_bf16_times_3_steps_of_the_run_and_takes_it_if_clearly_faster(
         found, ratio, chosen, monkeypatch, tmp_path, capsys):
     fake_cpu(monkeypatch, *found)
     measured = []
 
-    def measure_amp(model, batch, criterion, device, amp_dtype, steps, log):
-        measured.append((type(model), batch[0].shape, amp_dtype, steps))
+    def measure_amp(model, batch, criterion, device, amp_dtype, steps, seconds, log):
+        measured.append((type(model), batch[0].shape, amp_dtype, steps, seconds))
         return {"fp32": {"median_step_seconds": 1.0}, "bf16": {"median_step_seconds": ratio}}
     monkeypatch.setattr(amp_train, "measure_amp", measure_amp)
-    run = LINEAR + ["--precision", "auto", "--run-dir", str(tmp_path)]
-    ok(run + ["--epochs", "1"])
+    ok(LINEAR + ["--precision", "auto", "--run-dir", str(tmp_path), "--epochs", "1"])
     out = capsys.readouterr().out
-    assert f"| precision {chosen} |" in out, out
-    assert ratio is None or f"note: auto trains in {chosen}: bf16 steps took {ratio:.2f}x " \
-        "fp32's here (2 steps each)" in out, out
-    assert measured == [(nn.Linear, (128, 10), BF16, 2)][:bool(found)], "not the run's own"
+    assert f"| precision {chosen} |" in out and f"note: auto trains in {chosen}: bf16 steps took " \
+        f"{ratio:.2f}x fp32's here (the median of 3)" in out, out
+    assert measured == [(nn.Linear, (128, 10), BF16, 1, math.inf)], "not the run's own"
     # The checkpoint keeps the choice: a resume never measures again.
-    ok(LINEAR + ["--run-dir", str(tmp_path), "--epochs", "2", "--resume"])
-    assert f"| precision {chosen} |" in capsys.readouterr().out and len(measured) <= 1
+    ok(["--device", "cpu", "--run-dir", str(tmp_path), "--epochs", "2", "--resume"])
+    assert f"| precision {chosen} |" in capsys.readouterr().out and len(measured) == 1
 
 
-def test_auto_is_the_cpu_without_a_gpu_and_under_torchrun_process_k_takes_gpu_k(monkeypatch,
-                                                                                capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_every_process_takes_rank_0s_precision_on_every_path(monkeypatch):
+    monkeypatch.setattr(amp_train, "measure_amp", lambda *args, **kwargs: {
+        "fp32": {"median_step_seconds": 1.0}, "bf16": {"median_step_seconds": 0.5}})
+    monkeypatch.setattr(amp_train, "from_rank_0", lambda value: ("rank 0's", []))
+    for found in ([], ["amx_bf16"]):
+        fake_cpu(monkeypatch, *found)
+        for name in ("auto", "fp32", "bf16", "fp16"):
+            chosen = amp_train.choose_precision(name, nn.Linear(10, 1), batch_of(4), MSE, CPU)
+            assert chosen == ("rank 0's", []), (found, name, chosen)
+
+
+def test_auto_is_torchs_accelerator_or_the_cpu_and_under_torchrun_process_k_takes_device_k(
+        monkeypatch, capsys):
+    fake_accelerator(monkeypatch, "cpu")
     assert amp_train.resolve_device("auto") == CPU
-    assert "use --device cpu" in run_bad(["--device", "cuda"], capsys)
-    current = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[-1])
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    err = run_bad(["--device", "mps"], capsys)
+    assert err == "error: torch finds no mps device here: use --device auto or cpu\n", err
+    current = fake_accelerator(monkeypatch, "mps")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert amp_train.resolve_device("cuda") == torch.device("cuda", 1) and current == [1]
-    assert torch.backends.cudnn.benchmark, "cuDNN would not time its algorithms"
+    assert amp_train.resolve_device("auto") == torch.device("mps", 1) and current == [1]
+    assert "torch finds no cuda device here" in run_bad(["--device", "cuda"], capsys)
+
+
+def test_cudnn_times_its_convolution_algorithms_once_for_shapes_that_never_change(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    ok(LINEAR + ["--epochs", "1", "--precision", "fp32"])
+    assert torch.backends.cudnn.benchmark
+
+
+def test_a_cpus_label_names_the_16_bit_instructions_that_proc_cpuinfo_lists():
+    flags = pathlib.Path("/proc/cpuinfo").read_text().split("\nflags")[1].split("\n")[0].split()
+    # torch 2.6 has no get_capabilities, and finds none.
+    known = getattr(torch.cpu, "get_capabilities", dict)()
+    expected = [name for name in amp_train.CPU_16BIT if name in flags and name in known]
+    assert list(amp_train.cpu_16bit()) == expected, flags
+    assert amp_train.device_label(CPU) == f"cpu (16-bit instructions: {expected})"
+
+
+def test_a_gpus_label_reads_fp32s_precision_by_the_api_torch_has_and_never_raises(monkeypatch):
+    cuda, cudnn, gpu = torch.backends.cuda, torch.backends.cudnn, torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    label = "cuda:0 NVIDIA H200 (fp32: matmul {}, conv {})".format
+    if not hasattr(cuda.matmul, "fp32_precision"):
+        monkeypatch.setattr(cuda, "matmul", type("Matmul", (), {"allow_tf32": True}))
+        assert amp_train.device_label(gpu) == label("tf32", "tf32")
+        return
+    labels, matmul = [], cuda.matmul.fp32_precision
+    try:
+        # The new API, after which the legacy allow_tf32 raises.
+        cuda.matmul.fp32_precision = "tf32"
+        labels.append(amp_train.device_label(gpu))
+        # "none" takes CUDA's setting as a whole.
+        cudnn.fp32_precision, cuda.matmul.fp32_precision = "ieee", "none"
+        labels.append(amp_train.device_label(gpu))
+        # The legacy API, set after the new one.
+        cudnn.fp32_precision, cudnn.allow_tf32 = "none", True
+        labels.append(amp_train.device_label(gpu))
+    finally:
+        cudnn.fp32_precision, cuda.matmul.fp32_precision = "none", matmul
+    assert labels == [label("tf32", "tf32"), label("ieee", "ieee"), label("ieee", "tf32")], labels
 
 
 # ---------- models and data
@@ -592,6 +604,25 @@ def test_without_cifar10_and_offline_one_line_says_what_to_do(tmp_path, monkeypa
     assert "nor online: put cifar-10-python.tar.gz there, or use --data synthetic" in err, err
 
 
+def test_each_process_downloads_cifar10_under_a_lock_on_its_folder_and_waits_on_no_collective(
+        tmp_path, monkeypatch):
+    import filelock
+    import torchvision.datasets.cifar as cifar
+    downloads = []
+
+    def download(self):
+        # Another process's lock on the folder is refused while this one holds it.
+        with pytest.raises(filelock.Timeout):
+            filelock.FileLock(tmp_path / "download.lock").acquire(timeout=0)
+        downloads.append(self.root)
+        write_tiny_cifar10(tmp_path)
+    monkeypatch.setattr(cifar.CIFAR10, "download", download)
+    monkeypatch.setattr(cifar, "check_integrity", lambda *a, **k: True)
+    monkeypatch.setattr(amp_train, "from_rank_0", None)
+    (train_images, _), (test_images, _) = amp_train.cifar10(str(tmp_path))
+    assert downloads == [str(tmp_path)] and (len(train_images), len(test_images)) == (10, 2)
+
+
 def loaded(n, batch_size, epoch=0, processes=1, monkeypatch=None, **kwargs):
     """Each process's batches of samples 0..n-1 (their targets), and its len()."""
     shares = []
@@ -627,7 +658,7 @@ def test_the_training_order_is_drawn_from_the_seed_and_the_epoch_and_max_batches
     assert len(loaded(32, 4, monkeypatch=monkeypatch, max_batches=2)[0][0]) == 2
 
 
-def test_crops_and_flips_are_torchvisions_and_every_process_draws_its_own(monkeypatch):
+def test_crops_and_flips_are_torchvisions():
     import torchvision.transforms.v2.functional as TF
     images = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
     out = amp_train.random_crop_flip(images, torch.Generator().manual_seed(1))
@@ -638,14 +669,6 @@ def test_crops_and_flips_are_torchvisions_and_every_process_draws_its_own(monkey
                for image, augmented in zip(images, out)]
     seen = set.union(*windows)
     assert all(windows) and [len({w[i] for w in seen}) for i in range(3)] == [9, 9, 2], windows
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    crops = []
-    for rank in ("0", "1"):
-        monkeypatch.setenv("RANK", rank)
-        loader = amp_train.DeviceLoader(images[:1].repeat(16, 1, 1, 1), torch.zeros(16), 8,
-                                        CPU, amp_train.cifar10_transform(CPU, True), True)
-        crops.append(next(iter(loader))[0])
-    assert not torch.equal(*crops), "two processes cropped alike"
 
 
 # ---------- the examples' epoch loop
@@ -852,25 +875,39 @@ def test_three_passes_in_one_count_save_three_times_what_one_saves():
     assert counted == [one, {key: 3 * value for key, value in one.items()}], counted
 
 
-def test_measure_amp_counts_and_times_each_precision_and_logs_how_far_slow_steps_got(
-        monkeypatch):
-    monkeypatch.setattr(amp_train, "PROGRESS_SECONDS", 0)
-    heard = []
+def test_measure_amp_counts_and_times_each_precision_and_takes_what_train_epoch_takes():
     batch = torch.randn(8, 3, 8, 8), torch.arange(8)
     measured = amp_train.measure_amp(small_model(), batch, nn.CrossEntropyLoss(), "cpu", BF16, 2,
-                                     "mine", heard.append)
+                                     name="mine", log=[].append)
     fp32, bf16 = measured["fp32"], measured["bf16"]
     assert bf16["activation_bytes"] / fp32["activation_bytes"] < 0.6, (bf16, fp32)
     assert fp32["weight_copy_bytes"] == 0 < bf16["weight_copy_bytes"] and "peak_bytes" not in bf16
     assert bf16["samples_per_second"] == pytest.approx(8 / bf16["median_step_seconds"])
     assert (measured["name"], measured["batch"], measured["precision"]) == ("mine", 8, "bf16")
-    assert [line for line in heard if not re.fullmatch(r"  (fp32|bf16): timed step [12]/2 \| "
-                                                       r"[\d.]+ s each", line)] == [
-        "measuring fp32: 3 + 2 steps", "measuring bf16: 3 + 2 steps"] and len(heard) == 6, heard
-    # It takes what train_epoch takes; what it cannot compare with fp32 is refused.
+    # What it cannot compare with fp32 is refused.
     for amp_dtype in (None, "bf16", torch.float32):
         with pytest.raises(ValueError, match="measure_amp takes torch.bfloat16 or torch.float16"):
             amp_train.measure_amp(small_model(), batch, nn.CrossEntropyLoss(), "cpu", amp_dtype)
+
+
+@pytest.mark.parametrize("step,warmups,rounds,per_round", [
+    (0.001, 3, 3, 20), (2.0, 3, 3, 5), (4.0, 3, 3, 2), (52.0, 1, 1, 1)])
+def test_steps_are_timed_in_3_rounds_of_what_fits_in_30_s_or_once_where_a_step_is_longer(
+        step, warmups, rounds, per_round, monkeypatch):
+    clock, trained, heard = [0.0], [], []
+
+    def train_epoch(model, loader, *args):
+        # A clock that each step moves on by `step` seconds: nothing here is timed.
+        trained.append(len(loader))
+        clock[0] += step * len(loader)
+    monkeypatch.setattr(amp_train, "train_epoch", train_epoch)
+    monkeypatch.setattr(amp_train, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
+    measured = amp_train.measure_amp(nn.Linear(10, 1), batch_of(4), MSE, "cpu", log=heard.append)
+    assert trained == ([1] * warmups + [per_round] * rounds) * 2, trained
+    assert measured["bf16"]["median_step_seconds"] == pytest.approx(step), measured
+    assert heard[:2] == ["measuring fp32", f"  fp32: {warmups} warm-up steps, the last "
+                         f"{amp_train.cell('step_seconds', step)}; timing {rounds} x {per_round} "
+                         "steps"], heard
 
 
 def test_readmes_own_model_block_runs_and_a_text_models_saved_memory_is_below_fp32s(
@@ -886,14 +923,18 @@ def test_readmes_own_model_block_runs_and_a_text_models_saved_memory_is_below_fp
     assert memory and 0.4 <= float(memory.group(1)) <= 1.0, out
 
 
-def test_the_memory_example_prints_its_header_table_and_verdict_in_units_that_fit(capsys):
+def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_that_fit(
+        monkeypatch, capsys):
+    # A CPU without bf16 instructions, where bf16 is emulated, as on an AVX2-only one.
+    fake_cpu(monkeypatch)
     ok(["--device", "cpu", "--example", "memory", "--model", "linear", "--steps", "2"])
     out = capsys.readouterr().out
-    assert out.startswith("memory | torch ") and "| model linear | batch 128\n" in out, out
+    assert out.startswith("memory | torch ") and "| model linear | batch 128\nnote: bf16 is not " \
+        "native on cpu here, so it is slower than fp32\n" in out, out
     for row in (r"activation_bytes +[\d.]+ KiB +[\d.]+ KiB +0\.\d\d",
                 r"weight_copy_bytes +0\.00 B +0\.00 B +n/a",
                 r"samples_per_second +[\d.]+ /s +[\d.]+ /s +[\d.]+",
-                r"verdict: linear, batch 128, cpu \(16-bit instructions: \[.*\]\), torch .*: bf16 "
+                r"verdict: linear, batch 128, cpu \(16-bit instructions: \[\]\), torch .*: bf16 "
                 r"steps take "
                 r"[\d.]+x fp32's time, 0\.\d\dx its memory saved for backward; AMP is .* here"):
         assert re.search(f"^{row}$", out, re.M), (row, out)
@@ -947,16 +988,9 @@ def test_each_write_is_fsynced_then_renamed_and_one_that_fails_or_is_stopped_cha
         assert err.endswith(f"; {tmp_path} holds epoch 2\n") and files_of(tmp_path) == before, err
 
 
-def test_the_checkpoint_is_the_standard_one_that_plain_torch_loads_compiled_or_not(
-        tmp_path, monkeypatch):
-    # --compile with the eager backend, which traces the model as inductor would and generates
-    # no code: seconds, not minutes.
-    compiled, real = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model: compiled.append(model) or real(
-        model, backend="eager"))
-    ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path / "compiled"), "--compile"])
-    ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path / "eager")])
-    state = torch.load(tmp_path / "compiled" / "checkpoint.pt", weights_only=True)
+def test_the_checkpoint_is_the_standard_one_that_plain_torch_loads(tmp_path):
+    ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)])
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert set(state) == {"model", "optimizer", "scaler", "scheduler", "epoch", "args",
                           "metrics", "job"}, set(state)
     model = nn.Linear(10, 1)
@@ -967,10 +1001,6 @@ def test_the_checkpoint_is_the_standard_one_that_plain_torch_loads_compiled_or_n
         part.load_state_dict(state[name])
     assert (parts["scheduler"].last_epoch, parts["scaler"].get_scale(), len(state["metrics"]),
             optimizer.param_groups[0]["lr"]) == (2, 65536.0, 2, 0.01), parts
-    eager = load(tmp_path / "eager" / "checkpoint.pt")["model"]["weight"]
-    assert len(compiled) == 1 and torch.allclose(model.weight, eager, atol=1e-6), compiled
-    # It goes on without --compile.
-    ok(LINEAR_FP16 + ["--epochs", "3", "--run-dir", str(tmp_path / "compiled"), "--resume"])
 
 
 class Grows(torch.amp.GradScaler):
@@ -1056,6 +1086,17 @@ def test_a_file_that_is_no_checkpoint_of_this_run_ends_in_one_line_and_changes_n
 
 
 # ---------- the run folder: one run owns it, and a resume goes on as the run was
+
+def test_without_fcntl_the_module_imports_and_run_dir_says_in_one_line_what_it_needs(
+        tmp_path, monkeypatch, capsys):
+    # Native Windows has no fcntl: importing it raises ImportError.
+    monkeypatch.setitem(sys.modules, "fcntl", None)
+    spec = importlib.util.spec_from_file_location("amp_train_on_windows", HERE / "amp_train.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    err = run_bad(LINEAR + ["--run-dir", str(tmp_path / "run")], capsys)
+    assert "--run-dir locks its folder with fcntl, which this system lacks" in err, err
+    assert not (tmp_path / "run").exists()
+
 
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_writes_nothing(tmp_path, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
@@ -1267,7 +1308,7 @@ def test_the_help_gives_every_flag_a_text_and_its_default(capsys):
     assert len(entries) == len(vars(amp_train.parse_args([], {})[0])), entries
     # A flag whose default is no value says nothing of it.
     assert all("(default: " in entry for entry in entries
-               if entry.split()[0] not in ("compile", "run-dir", "resume")), entries
+               if entry.split()[0] not in ("run-dir", "resume")), entries
     assert "(default: None)" not in out and "(default: False)" not in out, out
     assert "0: off (default: 0)" in out and "memory's: linear" in out, out
 
@@ -1305,8 +1346,30 @@ def test_cuda_trains_and_measures_its_peak_memory(precision, capsys, resnet18):
     argv = ["--device", "cuda", "--precision", precision, "--batch-size", "16"]
     ok(argv + ["--data", "synthetic", "--epochs", "1", "--max-steps", "3"])
     out = capsys.readouterr().out
-    assert f"device cuda:0 (TF32: " in out and f"| precision {precision} |" in out, out
+    assert re.search(r"\| device cuda:0 .* \(fp32: matmul (ieee|tf32), conv (ieee|tf32)\) \| "
+                     f"precision {precision} \\|", out), out
     ok(argv + ["--example", "memory", "--steps", "2"])
-    # AMP's peak is under fp32's; what the allocator reserved follows it.
     out = capsys.readouterr().out
-    assert re.search(r"^peak_bytes .* 0\.\d\d\n^reserved_bytes .* [\d.]+$", out, re.M), out
+    assert re.search(r"^peak_bytes +[\d.]+ [KMG]iB +[\d.]+ [KMG]iB +[\d.]+$", out, re.M), out
+
+
+@requires_cuda
+@pytest.mark.parametrize("amp_dtype", [BF16, FP16])
+def test_a_cuda_step_makes_no_host_sync_but_the_epochs_one(amp_dtype):
+    model = small_model().to("cuda")
+    optimizer, criterion = amp_train.make_optimizer(model, 0.01), nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype is FP16)
+    batches = [(torch.randn(4, 3, 8, 8, device="cuda"), torch.arange(4, device="cuda"))] * 6
+    # The first step allocates memory and picks kernels.
+    amp_train.train_epoch(model, batches[:1], optimizer, criterion, scaler, "cuda", amp_dtype)
+
+    def strict(batches):
+        # Any host sync raises while the loader has batches left; the epoch's one comes after.
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield from batches
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    stats = amp_train.train_epoch(model, strict(batches), optimizer, criterion, scaler, "cuda",
+                                  amp_dtype, clip_grad_norm=1.0, accum_steps=2)
+    assert stats["samples"] == 24, stats
