@@ -53,9 +53,7 @@ AUTO_MAX_RATIO = 0.9
 TIMED_ROUNDS = 3
 # CIFAR-10's mean and standard deviation, by channel.
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-# The memory example's untimed warm-up steps: the first ones allocate memory and pick kernels.
-# Then it times at most MEMORY_STEPS steps a round, as many as fit in MEMORY_SECONDS in all.
-MEMORY_WARMUP_STEPS = 3
+# measure_amp times at most MEMORY_STEPS steps a round, as many as fit in MEMORY_SECONDS.
 MEMORY_STEPS = 20
 MEMORY_SECONDS = 30
 # autograd's nodes of the views that a weight copy may be seen through, and of the cast itself.
@@ -77,8 +75,7 @@ PROGRESS_SECONDS = 15
 EXAMPLES = ("resnet", "linear", "memory")
 FLAG_EXAMPLES = dict.fromkeys(["epochs", "lr", "clip_grad_norm", "accum_steps", "run_dir",
                                "resume"], ["resnet", "linear"])
-FLAG_EXAMPLES.update(data=["resnet"], data_root=["resnet"], max_steps=["resnet"],
-                     model=["memory"], steps=["memory"])
+FLAG_EXAMPLES.update(data=["resnet"], data_root=["resnet"], max_steps=["resnet"], model=["memory"])
 RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip_grad_norm",
              "accum_steps", "data", "max_steps")
 
@@ -151,12 +148,10 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
         optimizer.zero_grad(set_to_none=True)
         # to_device(batch, None) checks a batch and moves nothing. Its samples weight its loss.
         sizes = [len(to_device(batch, None)[1]) for batch in group]
-        for micro_step, batch in enumerate(group):
+        # DDP all-reduces once a step, in the backward pass of its last micro-batch.
+        syncs = [no_sync] * (len(group) - 1) + [contextlib.nullcontext]
+        for batch, sync in zip(group, syncs):
             inputs, targets = to_device(batch, device)
-            # DDP all-reduces once a step, in the backward pass of its last micro-batch.
-            sync = no_sync
-            if micro_step == len(group) - 1:
-                sync = contextlib.nullcontext
             with sync():
                 # Autocast covers the forward pass and the loss, and no more. Backward runs
                 # each op in the dtype that autocast chose for it in the forward pass.
@@ -283,18 +278,18 @@ def choose_precision(name, model, batch, criterion, device):
     if name not in [*native, "fp32", "auto"]:
         notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
     if name == "auto":
-        precision = "fp32"
-        if native and (native[0] == "bf16" or device.type == "cuda"):
-            precision = native[0]
+        # bf16 needs no GradScaler. fp16's GradScaler is trusted on CUDA alone.
+        trusted = [bits for bits in native if bits == "bf16" or device.type == "cuda"]
+        precision = (trusted + ["fp32"])[0]
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
-    if name == "auto" and precision == "bf16" and device.type == "cpu":
-        measured = measure_amp(model, batch, criterion, device, torch.bfloat16, 1, math.inf,
-                               log=say)
-        ratio = measured["bf16"]["median_step_seconds"] / measured["fp32"]["median_step_seconds"]
-        if ratio > AUTO_MAX_RATIO:
-            precision = "fp32"
-        notes = [f"note: auto trains in {precision}: bf16 steps took {ratio:.2f}x fp32's here "
-                 f"(the median of {TIMED_ROUNDS})"]
+        # A CPU's bf16 is timed first.
+        if device.type == "cpu" and precision == "bf16":
+            timed = measure_amp(model, batch, criterion, device, torch.bfloat16, 1, math.inf,
+                                log=print0)
+            ratio = timed["bf16"]["median_step_seconds"] / timed["fp32"]["median_step_seconds"]
+            if ratio > AUTO_MAX_RATIO:
+                precision = "fp32"
+            notes = [f"note: auto trains in {precision}: bf16 steps took {ratio:.2f}x fp32's here"]
     return from_rank_0((precision, notes))
 
 
@@ -327,8 +322,7 @@ def image_classifier(name):
         return resnet18(imagenet_stem=name == "resnet18-imagenet"), 32
     from torchvision import models
     if name not in models.list_models(module=models):
-        raise UsageError(f"--model {name}: not linear, resnet18, resnet18-imagenet, nor one of "
-                         "torchvision's classification models (see --help)")
+        raise UsageError(f"--model {name} is not a model the memory example knows: see --help")
     side = min(weight.transforms.keywords["crop_size"] for weight in models.get_model_weights(name))
     return models.get_model(name, num_classes=10, **TORCHVISION_OPTIONS.get(name, {})), side
 
@@ -426,8 +420,7 @@ def cifar10(root):
         raise UsageError(f"no CIFAR-10 in {os.path.abspath(root)}, nor online: put "
                          "cifar-10-python.tar.gz there, or use --data synthetic")
     # (N, 32, 32, 3) uint8 arrays become (N, 3, 32, 32) tensors.
-    return [(torch.from_numpy(s.data).permute(0, 3, 1, 2).contiguous(), torch.tensor(s.targets))
-            for s in sets]
+    return [(torch.from_numpy(s.data).permute(0, 3, 1, 2), torch.tensor(s.targets)) for s in sets]
 
 
 def linear_batch(batch_size, seed):
@@ -464,73 +457,67 @@ def build_example(args, device):
 # ---------- the examples' epoch loop
 
 def train_example(args, device, folder, state, notes):
-    """The resnet and linear examples, as imagenet's main_worker: build the model, then
-    train, test, print and save each epoch. folder saves the run (see RunFolder; a NoFolder
-    saves nothing), and state is the checkpoint to go on from, or {}. Returns 0, or 1 if
+    """The resnet and linear examples, as imagenet's main_worker. It builds the model, then
+    trains, tests, prints and saves each epoch. folder saves the run: see RunFolder, and a
+    NoFolder saves nothing. state is the checkpoint to go on from, or {}. Returns 0, or 1 if
     training cannot go on."""
     torch.manual_seed(args.seed)
-    model, criterion, train_loader, test_loader = build_example(args, device)
-    args.precision, precision_notes = choose_precision(args.precision, model,
+    raw_model, criterion, train_loader, test_loader = build_example(args, device)
+    args.precision, precision_notes = choose_precision(args.precision, raw_model,
                                                        next(iter(train_loader)), criterion, device)
-    parts, metrics = training_parts(args, device, model, state)
+    optimizer = make_optimizer(raw_model, args.lr)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
+    # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr from
+    # --lr and the epoch, where StepLR multiplies the last one. So a resumed run that is given
+    # another --lr goes on along the schedule.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda epoch: LR_GAMMA[args.example] ** (epoch // LR_STEP_EPOCHS))
+    # The objects that a checkpoint saves, by the names it saves them under.
+    objects = {"model": raw_model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
+    metrics = []
     if state:
+        metrics = restore(state, objects, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
         notes = [*notes, f"resumed from {args.run_dir} after epoch {len(metrics)}"]
     # The linear example trains on its one batch.
     data = {"linear": "one batch"}.get(args.example, args.data)
     flags = {key: getattr(args, key) for key in RUN_FLAGS}
-    say(f"amp_train | example {args.example} | torch {torch.__version__} | device "
-        f"{device_label(device)} | precision {args.precision} | data {data} | batch "
-        f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
-        f"{args.epochs}", *precision_notes, *notes)
-    # DDP averages the gradients in backward, so every process's scaler sees the same ones
+    print0(f"amp_train | example {args.example} | torch {torch.__version__} | device "
+           f"{device_label(device)} | precision {args.precision} | data {data} | batch "
+           f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
+           f"{args.epochs}", *precision_notes, *notes)
+    # DDP averages the gradients in backward. So every process's scaler sees the same ones,
     # and skips the same steps.
-    trained = model
+    model = raw_model
     if world_size() > 1:
-        trained = nn.parallel.DistributedDataParallel(model)
-    # Saved before the first epoch: every write is tried before anything is trained.
-    folder.save(parts, flags, metrics)
+        model = nn.parallel.DistributedDataParallel(raw_model)
+    # Saved before the first epoch, so that every write is tried before anything is trained.
+    folder.save(objects, flags, metrics)
     for epoch in range(len(metrics), args.epochs):
-        record = run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader,
+        record = run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader,
                            device)
-        parts["scheduler"].step()
-        say(epoch_line(record, args.epochs))
-        metrics.append(json_line(record))
-        problem = epoch_problem(record, model)
-        # The checkpoint keeps the last sound epoch; the metrics show this one too.
-        folder.save(parts, flags, metrics, checkpoint=problem is None)
+        objects["scheduler"].step()
+        print0(epoch_line(record, args.epochs))
+        metrics.append(json.dumps(record) + "\n")
+        problem = epoch_problem(record, raw_model)
+        # The checkpoint keeps the last sound epoch. The metrics show this one too.
+        folder.save(objects, flags, metrics, checkpoint=problem is None)
         if problem is not None:
-            say(f"error: epoch {epoch + 1}: {problem}; {folder.holds}", file=sys.stderr)
+            print0(f"error: epoch {epoch + 1}: {problem}; {folder.contents}", file=sys.stderr)
             return 1
     return 0
 
 
-def training_parts(args, device, model, state):
-    """The model and its optimizer, GradScaler and lr scheduler, by the names a checkpoint
-    saves them under, restored from `state` unless it is {}; and the metrics lines of the
-    epochs done."""
-    optimizer = make_optimizer(model, args.lr)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
-    # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr
-    # from --lr and the epoch, where StepLR multiplies the last one: so a resumed run that
-    # is given another --lr goes on along the schedule.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda epoch: LR_GAMMA[args.example] ** (epoch // LR_STEP_EPOCHS))
-    parts = {"model": model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
-    if not state:
-        return parts, []
-    return parts, restore(state, parts, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
-
-
-def run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader, device):
-    """Trains `trained` (the model, or DDP around it) and tests the model for one epoch;
-    returns its record, whose train loss is the mean over every process's samples."""
-    optimizer, scaler = parts["optimizer"], parts["scaler"]
+def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader, device):
+    """Trains `model` for one epoch, and tests objects["model"]: model is that model, or DDP
+    around it. Returns the epoch's record. Its train loss is the mean over every process's
+    samples."""
+    optimizer, scaler = objects["optimizer"], objects["scaler"]
     amp_dtype = PRECISIONS[args.precision]
     # The order, crops and flips come from (seed, epoch): a resumed run sees the same.
     train_loader.epoch = epoch
-    batches = progress(train_loader, f"epoch {epoch + 1}: batch", say)
+    batches = progress(train_loader, f"epoch {epoch + 1}: batch", print0)
     start = time.perf_counter()
-    stats = train_epoch(trained, batches, optimizer, criterion, scaler, device, amp_dtype,
+    stats = train_epoch(model, batches, optimizer, criterion, scaler, device, amp_dtype,
                         clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps)
     seconds = time.perf_counter() - start
     # The mean train loss over every process's samples. Each process tests the whole test
@@ -539,15 +526,14 @@ def run_epoch(args, epoch, trained, parts, criterion, train_loader, test_loader,
     sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"]], device=device)
     if dist.is_initialized():
         dist.all_reduce(sums)
-    tested = evaluate(parts["model"], test_loader, criterion, device, amp_dtype)
+    tested = evaluate(objects["model"], test_loader, criterion, device, amp_dtype)
     loss_sum, samples = sums.tolist()
     record = {"precision": args.precision, "epoch": epoch + 1, "train_loss": loss_sum / samples}
     if args.example == "resnet":
         record.update(test_loss=tested["loss"], test_accuracy=tested["accuracy"])
     # Each step that the scaler skipped halved the scale, alike on every process.
     return {**record, "lr": optimizer.param_groups[0]["lr"], "loss_scale": scaler.get_scale(),
-            "seconds": seconds, "samples_per_second": samples / seconds,
-            "processes": world_size()}
+            "seconds": seconds, "samples_per_second": samples / seconds, "processes": world_size()}
 
 
 def progress(items, label, log):
@@ -559,12 +545,6 @@ def progress(items, label, log):
         if time.perf_counter() - last >= PROGRESS_SECONDS:
             last = time.perf_counter()
             log(f"  {label} {done}/{len(items)} | {(last - start) / done:.3f} s each")
-
-
-def json_line(record):
-    """The record as a line of JSON. JSON has no inf or NaN, which json.dumps writes as bare
-    words: read back, each becomes null; a string that holds those words stays as it is."""
-    return json.dumps(json.loads(json.dumps(record), parse_constant=lambda word: None)) + "\n"
 
 
 def epoch_problem(record, model):
@@ -596,8 +576,8 @@ def epoch_line(record, epochs):
     line = "epoch {epoch:>{width}}/{epochs} | train loss {train_loss:.4f}"
     if "test_loss" in record:
         line += " | test loss {test_loss:.4f} | test acc {test_accuracy:6.2%}"
-    line += (" | lr {lr:.4g} | scale {loss_scale:g} | "
-             "{samples_per_second:.0f} samples/s | {seconds:.3f} s")
+    line += (" | lr {lr:.4g} | scale {loss_scale:g} | {samples_per_second:.0f} samples/s | "
+             "{seconds:.3f} s")
     return line.format(width=len(str(epochs)), epochs=epochs, **record)
 
 
@@ -614,12 +594,11 @@ def count_saved_tensors(model):
         # Back through views (Linear saves its weight copy transposed, a tied head uses
         # weight.T) and casts to where the tensor began: a weight copy passed a cast, and
         # began at a weight, not at a tensor made from one (an embedding's output, say).
-        node, passed = tensor.grad_fn, []
+        node, cast = tensor.grad_fn, False
         while type(node).__name__ in VIEWS_AND_CASTS:
-            passed.append(type(node).__name__)
+            cast |= type(node).__name__ == "ToCopyBackward0"
             node = node.next_functions[0][0]
-        copied = "ToCopyBackward0" in passed and isinstance(getattr(node, "variable", None),
-                                                             nn.Parameter)
+        copied = cast and isinstance(getattr(node, "variable", None), nn.Parameter)
         # The storage is kept to the end of the block: no later pass reuses its address.
         storage = tensor.untyped_storage()
         saved[storage.data_ptr()] = storage, copied
@@ -632,7 +611,7 @@ def count_saved_tensors(model):
     for weight in model.parameters():
         saved.pop(weight.untyped_storage().data_ptr(), None)
     for storage, copied in saved.values():
-        counts["weight_copy_bytes" if copied else "activation_bytes"] += storage.nbytes()
+        counts[["activation_bytes", "weight_copy_bytes"][copied]] += storage.nbytes()
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log):
@@ -645,7 +624,6 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
     batch = to_device(batch, device)
     memory = torch.get_device_module(device.type)
-    peak = hasattr(memory, "max_memory_allocated")
 
     def seconds_a_step(n):
         # n steps end in train_epoch's one host sync: the time is the device's, not the launches'.
@@ -657,18 +635,15 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
         step = seconds_a_step(1)
     # The first steps allocate memory and pick kernels, so they are not timed. A step longer
     # than a round's share of `seconds` (emulated bf16, say) hides those costs: one is timed.
-    rounds, warmups = TIMED_ROUNDS, MEMORY_WARMUP_STEPS - 1
-    if step > seconds / TIMED_ROUNDS:
-        rounds, warmups = 1, 0
-    for _ in range(warmups):
-        step = seconds_a_step(1)
-    per_round = int(max(1, min(steps, seconds / rounds / step)))
-    log(f"  {label}: {warmups + 1} warm-up steps, the last {cell('step_seconds', step)}; timing "
-        f"{rounds} x {per_round} steps")
-    if peak:
+    rounds, per_round = 1, 1
+    if step <= seconds / TIMED_ROUNDS:
+        seconds_a_step(2)
+        rounds, per_round = TIMED_ROUNDS, int(min(steps, seconds / TIMED_ROUNDS / step))
+    log(f"  {label}: first step {cell('step_seconds', step)}, then {rounds} x {per_round} timed")
+    if hasattr(memory, "max_memory_allocated"):
         memory.reset_peak_memory_stats(device)
     timed = [seconds_a_step(per_round) for _ in progress(range(rounds), f"{label}: round", log)]
-    if peak:
+    if hasattr(memory, "max_memory_allocated"):
         measured["peak_bytes"] = memory.max_memory_allocated(device)
     # The middle round's steps.
     median = sorted(timed)[len(timed) // 2]
@@ -735,9 +710,8 @@ def amp_report(measured):
 def cell(key, value):
     """A value of amp_report's table in the largest unit that shows it as 1 or more, or the
     smallest."""
-    for scale, unit in UNITS[key.rsplit("_", 1)[1]]:
-        if value >= scale:
-            break
+    units = UNITS[key.rsplit("_", 1)[1]]
+    scale, unit = next((unit for unit in units if value >= unit[0]), units[-1])
     return f"{value / scale:.2f} {unit}"
 
 
@@ -758,11 +732,11 @@ def run_memory(args, device, notes):
         model, side = image_classifier(args.model)
         model, criterion = model.to(memory_format=torch.channels_last), nn.CrossEntropyLoss()
         batch = torch.randn(args.batch_size, 3, side, side), torch.randint(0, 10, [args.batch_size])
-    say(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
+    print0(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
         f"{args.model} | batch {args.batch_size}", *precision_notes, *notes)
-    measured = measure_amp(model, batch, criterion, device, PRECISIONS[precision], args.steps,
-                           MEMORY_SECONDS, args.model, say)
-    say(*amp_report(measured))
+    measured = measure_amp(model, batch, criterion, device, PRECISIONS[precision], name=args.model,
+                           log=print0)
+    print0(*amp_report(measured))
     return 0
 
 
@@ -788,14 +762,13 @@ class RunFolder:
     def __init__(self, path, resume, job):
         self.path, self.job, self.state = path, job, {}
         # What the folder holds: a stopped run's last words.
-        self.holds = f"{path} holds no checkpoint"
+        self.contents = f"{path} holds no checkpoint"
         self.checkpoint = os.path.join(path, "checkpoint.pt")
         # Imported here: native Windows has no fcntl, and only --run-dir needs it.
         try:
             import fcntl
         except ImportError:
-            raise UsageError("--run-dir locks its folder with fcntl, which this system lacks: "
-                             "run without --run-dir, or under WSL")
+            raise UsageError("--run-dir locks its folder with fcntl, missing here: use WSL")
         if os.path.isfile(path):
             raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
         if resume and not os.path.exists(self.checkpoint):
@@ -808,29 +781,27 @@ class RunFolder:
             try:
                 fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise UsageError(f"another run is using {path}: wait for it, or use another "
-                                 "--run-dir")
+                raise UsageError(f"another run is using {path}: wait, or use another --run-dir")
             # The checkpoint this run goes on from, if there is one and it may.
             if os.path.exists(self.checkpoint):
                 # weights_only unpickles tensors and plain containers, never code.
                 with checkpoint_at(self.checkpoint):
                     self.state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
-                    self.holds = f"{path} holds epoch {self.state['epoch']}"
+                    self.contents = f"{path} holds epoch {self.state['epoch']}"
                     job = self.state["job"]
                 # A torchrun restart goes on from its own launch's checkpoint without
                 # --resume; a run without torchrun is a launch of its own.
                 if not resume and job != self.job:
-                    raise UsageError(f"{path} holds a checkpoint: add --resume, or use another "
-                                     "--run-dir")
+                    raise UsageError(f"{path} holds a run: add --resume, or use another --run-dir")
         except BaseException:
             self.close()
             raise
 
-    def save(self, parts, flags, metrics, checkpoint=True):
+    def save(self, objects, flags, metrics, checkpoint=True):
         """Writes the checkpoint of epoch len(metrics), unless not `checkpoint`, then the
         metrics file, a JSON line an epoch: a resumed run writes it anew from the
-        checkpoint's lines. parts are the model, optimizer, scaler and scheduler by name."""
-        state = {name: part.state_dict() for name, part in parts.items()}
+        checkpoint's lines. objects are the model, optimizer, scaler and scheduler by name."""
+        state = {name: part.state_dict() for name, part in objects.items()}
         state.update(epoch=len(metrics), args=flags, metrics=metrics, job=self.job)
         # Serialized in memory first: a full disk then meets a plain write.
         buffer = io.BytesIO()
@@ -838,10 +809,10 @@ class RunFolder:
         try:
             if checkpoint:
                 replace_file(self.checkpoint, buffer.getvalue())
-                self.holds = f"{self.path} holds epoch {len(metrics)}"
+                self.contents = f"{self.path} holds epoch {len(metrics)}"
             replace_file(os.path.join(self.path, "metrics.jsonl"), "".join(metrics).encode())
         except OSError as e:
-            raise UsageError(f"could not write in {self.path} ({e.strerror}); {self.holds}")
+            raise UsageError(f"could not write in {self.path} ({e.strerror}); {self.contents}")
 
     def close(self):
         os.close(self.lock)
@@ -854,7 +825,7 @@ class NoFolder:
     def save(self, *args, **kwargs):
         pass
 
-    holds = "nothing was saved"
+    contents = "nothing was saved"
 
     def close(self):
         pass
@@ -890,23 +861,23 @@ def checkpoint_at(path):
                          f"({type(e).__name__}): move it away, or use another --run-dir")
 
 
-def restore(state, parts, lr, path):
-    """Loads the checkpoint's state dicts into parts, in place; returns its metrics lines."""
+def restore(state, objects, lr, path):
+    """Loads the checkpoint's state dicts into objects, in place; returns its metrics lines."""
     with checkpoint_at(path):
-        for name, part in parts.items():
+        for name, part in objects.items():
             # A disabled GradScaler (bf16, fp32) saves {}: in fp16 the run starts a new scale.
             if state[name]:
                 part.load_state_dict(state[name])
         # load_state_dict checks no shapes, but a fused optimizer walks each state tensor as
-        # it walks its parameter: one of another shape or layout would make it write past
-        # its memory. Each stands for its parameter but "step", the count of steps.
-        for param, optimizer_state in parts["optimizer"].state.items():
+        # it walks its parameter. One of another shape or layout would make it write past its
+        # memory. Each stands for its parameter but "step", the count of steps.
+        for param, optimizer_state in objects["optimizer"].state.items():
             for key, value in optimizer_state.items():
                 fits = (value.shape, value.stride()) == (param.shape, param.stride())
                 if key != "step" and not fits:
                     raise ValueError(f"the optimizer's {key} does not fit its parameter")
         # The lr follows the flags' --lr, which a resume may change, along the schedule.
-        scheduler, group = parts["scheduler"], parts["optimizer"].param_groups[0]
+        scheduler, group = objects["scheduler"], objects["optimizer"].param_groups[0]
         scheduler.base_lrs = [lr]
         group["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
         return list(state["metrics"])
@@ -915,18 +886,18 @@ def restore(state, parts, lr, path):
 def open_run_folder(args, job):
     """Rank 0 takes --run-dir; every process gets (its folder, the checkpoint to go on from,
     or {}). The other processes save nothing: theirs is a NoFolder."""
-    folder, found = NoFolder(), {}
+    folder, checkpoint_or_error = NoFolder(), {}
     if args.run_dir is not None and rank() == 0:
         try:
             folder = RunFolder(args.run_dir, args.resume, job)
-            found = folder.state
+            checkpoint_or_error = folder.state
         except UsageError as e:
-            found = e
+            checkpoint_or_error = e
     # Every process goes on from rank 0's checkpoint, or stops with its error.
-    found = from_rank_0(found)
-    if isinstance(found, UsageError):
-        raise found
-    return folder, found
+    checkpoint_or_error = from_rank_0(checkpoint_or_error)
+    if isinstance(checkpoint_or_error, UsageError):
+        raise checkpoint_or_error
+    return folder, checkpoint_or_error
 
 
 # ---------- torchrun's processes
@@ -980,7 +951,7 @@ class UsageError(Exception):
     """A mistake the user can fix: the run ends in one line that says what to do, exit 2."""
 
 
-def say(*lines, file=None):
+def print0(*lines, file=None):
     """Prints each line; under torchrun, rank 0 alone does."""
     if rank() == 0:
         print(*lines, sep="\n", file=file, flush=True)
@@ -1039,8 +1010,6 @@ def make_parser():
     add("--model", default="resnet18", help="memory's: linear, resnet18 (the CIFAR stem, at "
         "32x32), resnet18-imagenet (the post's stem), or one of torchvision's classification "
         "models, at the size its weights state")
-    add("--steps", default=MEMORY_STEPS, type=count, help="memory's most timed steps in each "
-        f"of its {TIMED_ROUNDS} rounds, which fit in about {MEMORY_SECONDS} s")
     add("--seed", default=0, type=number(int, 0, 2**32 - 1, "from 0 to 2**32 - 1"),
         help="seeds the weights, the data and its order")
     return p
@@ -1067,6 +1036,8 @@ def parse_args(argv, state):
             notes.append(f"note: --{name} {value} replaces the checkpoint's {saved[key]}")
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir DIR")
+    if saved.get("example", args.example) != args.example:
+        raise UsageError(f"{args.run_dir} holds a {saved['example']} run: use another --run-dir")
     return args, notes
 
 
@@ -1077,10 +1048,9 @@ def main(argv):
     try:
         args, _ = parse_args(argv, {})
         device = resolve_device(args.device)
-        # cuDNN times its convolution algorithms once, for shapes that never change here.
-        torch.backends.cudnn.benchmark = True
-        job = join_processes()
-        folder, state = open_run_folder(args, job)
+        # torchrun's processes meet first: rank 0 opens the folder, and all go on from its
+        # checkpoint.
+        folder, state = open_run_folder(args, join_processes())
         args, notes = parse_args(argv, state)
         if args.example == "memory":
             return run_memory(args, device, notes)
@@ -1090,10 +1060,10 @@ def main(argv):
             dist.barrier()
         return status
     except UsageError as e:
-        say(f"error: {e}", file=sys.stderr)
+        print0(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        say(f"error: stopped by Ctrl-C; {folder.holds}", file=sys.stderr)
+        print0(f"error: stopped by Ctrl-C; {folder.contents}", file=sys.stderr)
         return 130
     finally:
         folder.close()

@@ -459,7 +459,7 @@ def test_auto_on_a_cpu_with_bf16_times_3_steps_of_the_run_and_takes_it_if_clearl
     ok(LINEAR + ["--precision", "auto", "--run-dir", str(tmp_path), "--epochs", "1"])
     out = capsys.readouterr().out
     assert f"| precision {chosen} |" in out and f"note: auto trains in {chosen}: bf16 steps took " \
-        f"{ratio:.2f}x fp32's here (the median of 3)" in out, out
+        f"{ratio:.2f}x fp32's here\n" in out, out
     assert measured == [(nn.Linear, (128, 10), BF16, 1, math.inf)], "not the run's own"
     # The checkpoint keeps the choice: a resume never measures again.
     ok(["--device", "cpu", "--run-dir", str(tmp_path), "--epochs", "2", "--resume"])
@@ -487,12 +487,6 @@ def test_auto_is_torchs_accelerator_or_the_cpu_and_under_torchrun_process_k_take
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert amp_train.resolve_device("auto") == torch.device("mps", 1) and current == [1]
     assert "torch finds no cuda device here" in run_bad(["--device", "cuda"], capsys)
-
-
-def test_cudnn_times_its_convolution_algorithms_once_for_shapes_that_never_change(monkeypatch):
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
-    ok(LINEAR + ["--epochs", "1", "--precision", "fp32"])
-    assert torch.backends.cudnn.benchmark
 
 
 def test_a_cpus_label_names_the_16_bit_instructions_that_proc_cpuinfo_lists():
@@ -791,16 +785,10 @@ def test_a_run_that_cannot_go_on_stops_and_keeps_its_last_sound_epoch(
     argv = LINEAR + ["--precision", precision, "--epochs", "3", "--run-dir", str(tmp_path)]
     assert amp_train.main(argv) == status
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 3 - 2 * status, "not the last sound one"
-    assert "Infinity" not in (tmp_path / "metrics.jsonl").read_text(), "JSON has no inf"
-    assert [r["train_loss"] for r in read_metrics(tmp_path / "metrics.jsonl")][:2] == [1.0, None]
+    assert [r["train_loss"] for r in read_metrics(tmp_path / "metrics.jsonl")][:2] == [1.0, math.inf]
     err = capsys.readouterr().err
     assert status == 0 or err.startswith(f"error: epoch 2: {says}") and err.endswith(
         f"; {tmp_path} holds epoch 1\n"), err
-
-
-def test_a_json_line_holds_null_for_inf_and_nan_and_leaves_strings_alone():
-    line = amp_train.json_line({"model": "NaNoNet-Infinity", "loss": math.nan, "lr": -math.inf})
-    assert line == '{"model": "NaNoNet-Infinity", "loss": null, "lr": null}\n', line
 
 
 def test_a_loss_scale_that_collapses_stops_the_run_and_points_to_the_forward_pass(monkeypatch,
@@ -890,10 +878,10 @@ def test_measure_amp_counts_and_times_each_precision_and_takes_what_train_epoch_
             amp_train.measure_amp(small_model(), batch, nn.CrossEntropyLoss(), "cpu", amp_dtype)
 
 
-@pytest.mark.parametrize("step,warmups,rounds,per_round", [
-    (0.001, 3, 3, 20), (2.0, 3, 3, 5), (4.0, 3, 3, 2), (52.0, 1, 1, 1)])
+@pytest.mark.parametrize("step,rounds,per_round", [
+    (0.001, 3, 20), (2.0, 3, 5), (4.0, 3, 2), (10.0, 3, 1), (52.0, 1, 1)])
 def test_steps_are_timed_in_3_rounds_of_what_fits_in_30_s_or_once_where_a_step_is_longer(
-        step, warmups, rounds, per_round, monkeypatch):
+        step, rounds, per_round, monkeypatch):
     clock, trained, heard = [0.0], [], []
 
     def train_epoch(model, loader, *args):
@@ -903,11 +891,12 @@ def test_steps_are_timed_in_3_rounds_of_what_fits_in_30_s_or_once_where_a_step_i
     monkeypatch.setattr(amp_train, "train_epoch", train_epoch)
     monkeypatch.setattr(amp_train, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
     measured = amp_train.measure_amp(nn.Linear(10, 1), batch_of(4), MSE, "cpu", log=heard.append)
-    assert trained == ([1] * warmups + [per_round] * rounds) * 2, trained
+    # The first step, then 2 more untimed where a step fits a round's share, then the rounds.
+    warmup = [1, 2][:1 + (rounds > 1)]
+    assert trained == (warmup + [per_round] * rounds) * 2, trained
     assert measured["bf16"]["median_step_seconds"] == pytest.approx(step), measured
-    assert heard[:2] == ["measuring fp32", f"  fp32: {warmups} warm-up steps, the last "
-                         f"{amp_train.cell('step_seconds', step)}; timing {rounds} x {per_round} "
-                         "steps"], heard
+    assert heard[:2] == ["measuring fp32", f"  fp32: first step {amp_train.cell('step_seconds', step)}"
+                         f", then {rounds} x {per_round} timed"], heard
 
 
 def test_readmes_own_model_block_runs_and_a_text_models_saved_memory_is_below_fp32s(
@@ -915,7 +904,6 @@ def test_readmes_own_model_block_runs_and_a_text_models_saved_memory_is_below_fp
     block = readme_blocks("## What AMP buys on your model")[0]
     assert len(block.splitlines()) <= 5 and "Embedding" in block and "torch.bfloat16" in block
     monkeypatch.setattr(amp_train, "measure_amp", functools.partial(amp_train.measure_amp, steps=1))
-    monkeypatch.setattr(amp_train, "MEMORY_WARMUP_STEPS", 1)
     exec(compile(block, "README.md", "exec"), {})
     out = capsys.readouterr().out
     memory = re.search(r"^verdict: .*: bf16 steps take [\d.]+x fp32's time, ([\d.]+)x its "
@@ -927,7 +915,7 @@ def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_t
         monkeypatch, capsys):
     # A CPU without bf16 instructions, where bf16 is emulated, as on an AVX2-only one.
     fake_cpu(monkeypatch)
-    ok(["--device", "cpu", "--example", "memory", "--model", "linear", "--steps", "2"])
+    ok(["--device", "cpu", "--example", "memory", "--model", "linear"])
     out = capsys.readouterr().out
     assert out.startswith("memory | torch ") and "| model linear | batch 128\nnote: bf16 is not " \
         "native on cpu here, so it is slower than fp32\n" in out, out
@@ -1094,7 +1082,7 @@ def test_without_fcntl_the_module_imports_and_run_dir_says_in_one_line_what_it_n
     spec = importlib.util.spec_from_file_location("amp_train_on_windows", HERE / "amp_train.py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     err = run_bad(LINEAR + ["--run-dir", str(tmp_path / "run")], capsys)
-    assert "--run-dir locks its folder with fcntl, which this system lacks" in err, err
+    assert "--run-dir locks its folder with fcntl, missing here: use WSL" in err, err
     assert not (tmp_path / "run").exists()
 
 
@@ -1118,16 +1106,16 @@ def test_a_new_run_never_overwrites_a_checkpoint_but_a_restart_of_its_launch_goe
     # Under torchrun a launch is rank 0's agent, its workers' parent: 1, then another.
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     monkeypatch.setattr(os, "getppid", lambda: 1)
-    assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "3"], capsys)
+    assert "holds a run: add --resume" in run_bad(run + ["--epochs", "3"], capsys)
     assert files_of(tmp_path) == before
     ok(run + ["--epochs", "3", "--resume"])
     # A restart of that launch goes on from its checkpoint without --resume.
     ok(run + ["--epochs", "4"])
     assert load(tmp_path / "checkpoint.pt")["epoch"] == 4
     monkeypatch.setattr(os, "getppid", lambda: 2)
-    assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "5"], capsys)
+    assert "holds a run: add --resume" in run_bad(run + ["--epochs", "5"], capsys)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
-    assert "holds a checkpoint: add --resume" in run_bad(run + ["--epochs", "5"], capsys)
+    assert "holds a run: add --resume" in run_bad(run + ["--epochs", "5"], capsys)
 
 
 def test_a_resume_goes_on_with_the_checkpoints_flags_but_those_given_again(tmp_path, capsys):
@@ -1147,9 +1135,9 @@ def test_a_resume_goes_on_with_the_checkpoints_flags_but_those_given_again(tmp_p
     out = capsys.readouterr().out
     assert "note: --precision bf16 replaces the checkpoint's fp16" in out, out
     assert re.findall(r"scale (\d+)", out) == ["65536", "1"], out
-    # Another example finds a checkpoint of another model.
+    # Another example's run says what the folder holds.
     argv = run + ["--resume", "--example", "resnet", "--data", "synthetic"]
-    assert "checkpoint.pt is no checkpoint this run can go on from" in run_bad(argv, capsys)
+    assert f"{tmp_path} holds a linear run: use another --run-dir" in run_bad(argv, capsys)
 
 
 # ---------- torchrun's processes
@@ -1288,7 +1276,7 @@ def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(lau
     ["--example", "linear", "--model", "vit_b_16", "--model is for --example memory"],
     ["--example", "linear", "--max-steps", "0", "--max-steps is for --example resnet"],
     ["--example", "memory", "--precision", "fp32", "compares fp32 with AMP: use --precision bf16"],
-    ["--example", "memory", "--model", "fcn_resnet50", "nor one of torchvision's classification"],
+    ["--example", "memory", "--model", "fcn_resnet50", "is not a model the memory example knows"],
     RESNET + ["--batch-size", "10001", "more than each process's 10000 training images"],
     LINEAR + ["--run-dir", str(HERE / "no-run"), "--resume", f"nothing to resume in {HERE}"],
     LINEAR + ["--run-dir", str(HERE / "README.md"), "README.md is a file, not a folder"]])
@@ -1348,7 +1336,7 @@ def test_cuda_trains_and_measures_its_peak_memory(precision, capsys, resnet18):
     out = capsys.readouterr().out
     assert re.search(r"\| device cuda:0 .* \(fp32: matmul (ieee|tf32), conv (ieee|tf32)\) \| "
                      f"precision {precision} \\|", out), out
-    ok(argv + ["--example", "memory", "--steps", "2"])
+    ok(argv + ["--example", "memory"])
     out = capsys.readouterr().out
     assert re.search(r"^peak_bytes +[\d.]+ [KMG]iB +[\d.]+ [KMG]iB +[\d.]+$", out, re.M), out
 
