@@ -1,6 +1,8 @@
-"""Automatic Mixed Precision (AMP) training with torch.amp, as its docs describe it: the three
-programs of the blog post "AMP Tensor Cores: saving memory in PyTorch models", fixed, for a CUDA
-GPU (fp16 with a GradScaler, or bf16) or a CPU (bf16), with fp32 as the baseline.
+"""Automatic Mixed Precision (AMP) training with torch.amp, as its docs describe it.
+
+These are the three programs of the blog post "AMP Tensor Cores: saving memory in PyTorch
+models", fixed. They run on a CUDA GPU, an Apple silicon Mac, an Intel GPU or a CPU. fp32 is
+the baseline, and AMP trains in bf16, or in fp16 with a GradScaler.
 
     python amp_train.py --example linear    # the post's Linear(10, 1) on one fixed batch
     python amp_train.py --example resnet    # ResNet18 on CIFAR-10 (--data synthetic offline)
@@ -8,8 +10,8 @@ GPU (fp16 with a GradScaler, or bf16) or a CPU (bf16), with fp32 as the baseline
     python amp_train.py --example memory --model mobilenet_v3_small   # torchvision's models
     torchrun --nproc_per_node=2 amp_train.py --example resnet         # several GPUs, DDP
 
-Part I is the AMP lesson. train_epoch, first below, is the part to copy; measure_amp measures
-what AMP buys on a model of your own. Part II keeps long runs safe: the run folder and
+Part I is the AMP lesson. train_epoch, first below, is the part to copy. measure_amp measures
+what AMP buys on a model of your own. Part II keeps long runs safe, with the run folder and
 torchrun's processes. The command line comes last, with the errors a user can make. A reader
 who came for AMP can stop where Part II begins.
 """
@@ -31,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# The post's settings: SGD lr 0.01, batch 128, StepLR(10, 0.1), 100 epochs. Its linear
-# program keeps its lr: the linear example's falls by a factor of 1.
+# The post's settings are SGD with lr 0.01, batch 128, StepLR(10, 0.1) and 100 epochs. Its
+# linear program keeps one lr, so the linear example's lr falls by a factor of 1.
 EPOCHS = 100
 BATCH_SIZE = 128
 LR = 0.01
@@ -47,8 +49,7 @@ CUDA_16BIT = {7: ["fp16"], 8: ["bf16", "fp16"]}
 CPU_16BIT = {"amx_bf16": "bf16", "avx512_bf16": "bf16", "sve_bf16": "bf16", "bf16": "bf16",
              "amx_fp16": "fp16", "avx512_fp16": "fp16", "fp16_arith": "fp16"}
 # On a CPU with bf16 instructions, --precision auto takes bf16 if its median step takes at
-# most AUTO_MAX_RATIO of fp32's. The steps come in TIMED_ROUNDS rounds, each of which ends in
-# one host sync.
+# most AUTO_MAX_RATIO of fp32's. Steps are timed in TIMED_ROUNDS rounds of one host sync each.
 AUTO_MAX_RATIO = 0.9
 TIMED_ROUNDS = 3
 # CIFAR-10's mean and standard deviation, by channel.
@@ -56,22 +57,22 @@ CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 # measure_amp times at most MEMORY_STEPS steps a round, as many as fit in MEMORY_SECONDS.
 MEMORY_STEPS = 20
 MEMORY_SECONDS = 30
-# autograd's nodes of the views that a weight copy may be seen through, and of the cast itself.
+# The autograd nodes of a cast, and of the views that a weight copy may be seen through.
 VIEWS_AND_CASTS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
                    "UnsafeViewBackward0", "ExpandBackward0", "UnsqueezeBackward0",
                    "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0", "ToCopyBackward0"}
-# Its table's units, by the last word of a row's name, largest first.
+# The memory table's units, by the last word of a row's name, largest first.
 UNITS = {"bytes": [(2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")],
          "seconds": [(1e-3, "ms")], "second": [(1, "/s")]}
-# torchvision's googlenet and inception_v3 also return auxiliary logits in training, which a
-# plain loss cannot take, and warn that their default initialization will change.
+# torchvision's googlenet and inception_v3 also return auxiliary logits in training. A plain
+# loss cannot take those. They also warn that their default initialization will change.
 TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
                                     {"aux_logits": False, "init_weights": True})
 # A long epoch or measurement says how far it got this often, in seconds.
 PROGRESS_SECONDS = 15
 
-# Part II's: the flags that mean something to some examples only (any other refuses them),
-# and those a training run keeps in its checkpoint, which a resumed run goes on with.
+# These serve Part II. Some flags mean something to some examples only, and the others refuse
+# them. A training run keeps RUN_FLAGS in its checkpoint, and a resumed run goes on with them.
 EXAMPLES = ("resnet", "linear", "memory")
 FLAG_EXAMPLES = dict.fromkeys(["epochs", "lr", "clip_grad_norm", "accum_steps", "run_dir",
                                "resume"], ["resnet", "linear"])
@@ -87,7 +88,7 @@ RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip
 
 def to_device(batch, device):
     """A batch's (inputs, targets) tensors, moved to `device`. With device None nothing moves,
-    and the batch is only checked. Any other kind of batch is refused, such as a dict or inputs
+    and the batch is only checked. Any other kind of batch is refused, such as a dict, or inputs
     that are a tuple. So is a batch of 0 samples, whose mean loss is NaN."""
     try:
         inputs, targets = (part.to(device, non_blocking=True) for part in batch)
@@ -104,9 +105,9 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
                 scheduler=None, clip_grad_norm=None, accum_steps=1):
     """One epoch of AMP training. It is the torch.amp docs' loop, with gradient accumulation.
 
-    loader yields (inputs, targets) pairs of tensors, and criterion(model(inputs), targets) is
-    the batch's mean loss. amp_dtype is torch.bfloat16, torch.float16, or None for fp32. scaler
-    is a torch.amp.GradScaler enabled for float16. bf16 and fp32 take None.
+    loader yields pairs of tensors, the inputs and the targets. criterion(model(inputs),
+    targets) is the batch's mean loss. amp_dtype is torch.bfloat16, torch.float16, or None for
+    fp32. scaler is a torch.amp.GradScaler enabled for float16. bf16 and fp32 take None.
 
     Three choices are ours, not the docs'. First, the gradients are zeroed before each step's
     first micro-batch. So no gradient left from before reaches a step. Second, accum_steps=K
@@ -121,7 +122,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     `optimizer.step()`" when fp16's first step is skipped. clip_grad_norm, unless it is None or
     0, clips the gradients' norm before each step.
 
-    Returns {"loss": the mean loss per sample, "samples": how many it trained on}.
+    Returns {"loss", "samples"}: the mean loss per sample, and how many samples it trained on.
     """
     device = torch.device(device)
     # bf16 and fp32 need no loss scaling. A disabled GradScaler passes everything through.
@@ -185,9 +186,9 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
 def evaluate(model, loader, criterion, device, amp_dtype):
     """The mean loss and accuracy of a classifier over `loader`, under autocast as in training.
 
-    Batches are as train_epoch takes them. model(inputs) must return class logits, shaped
-    (batch, classes), and targets hold class indices, as nn.CrossEntropyLoss takes them.
-    Returns {"loss", "accuracy", "samples"}. An empty loader gives NaN for loss and accuracy.
+    Batches are as train_epoch takes them. model(inputs) must return class logits, one row a
+    sample, and targets hold class indices, as nn.CrossEntropyLoss takes them. Returns
+    {"loss", "accuracy", "samples"}. An empty loader gives NaN for loss and accuracy.
     """
     device = torch.device(device)
     model.eval()
@@ -208,9 +209,9 @@ def evaluate(model, loader, criterion, device, amp_dtype):
 # ---------- precision and device
 
 def resolve_device(name):
-    """--device: "auto" is torch's accelerator (CUDA, MPS or XPU) where it finds one, else the
-    CPU. Under torchrun, process k takes device k (LOCAL_RANK) and makes it the current one,
-    as NCCL asks."""
+    """The device that --device names. "auto" is torch's accelerator where it finds one, such
+    as CUDA, MPS or XPU, and the CPU elsewhere. Under torchrun, process k takes device k, by
+    LOCAL_RANK. It makes that device the current one, as NCCL asks."""
     accelerator = "cpu"
     if torch.accelerator.is_available():
         accelerator = torch.accelerator.current_accelerator().type
@@ -226,7 +227,7 @@ def resolve_device(name):
 def cpu_16bit():
     """The CPU's 16-bit instructions that torch finds, by their names in CPU_16BIT, each with
     the precision it computes in."""
-    # torch 2.6 has no get_capabilities: there a CPU shows none, and auto trains in fp32 on it.
+    # torch 2.6 has no get_capabilities. There a CPU shows none, and auto trains in fp32 on it.
     capabilities = getattr(torch.cpu, "get_capabilities", dict)()
     return {name: bits for name, bits in CPU_16BIT.items() if capabilities.get(name)}
 
@@ -247,8 +248,8 @@ def native_16bit(device):
 
 def device_label(device):
     """The device as headers and verdicts name it. A CPU comes with its 16-bit instructions.
-    A CUDA GPU comes with its name and the precision of fp32's matmuls and convolutions:
-    "ieee", or "tf32", which is faster and coarser. That fp32 is what AMP is measured against."""
+    A CUDA GPU comes with its name and the precision of fp32's matmuls and convolutions. That
+    is "ieee", or "tf32", which is faster and coarser. AMP is measured against that fp32."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     if device.type == "cpu":
         return f"cpu (16-bit instructions: {list(cpu_16bit())})"
@@ -270,9 +271,9 @@ def choose_precision(name, model, batch, criterion, device):
     """The precision to train in, and the notes that say why. A precision that the device does
     not compute natively trains with a note. "auto" takes bf16 where it is native, since it
     needs no GradScaler. It takes fp16 next, but on CUDA alone. MPS's GradScaler fails before
-    torch 2.8 and had bugs after it, and XPU's needs fp64 units, which Intel's Arc GPUs lack.
-    A CPU's bf16 must earn its place first. Its steps on the run's model and first batch are
-    timed against fp32's, and it is taken if they take at most AUTO_MAX_RATIO of their time.
+    torch 2.8, and had bugs after it. XPU's needs fp64 units, which Intel's Arc GPUs lack. A
+    CPU's bf16 must earn its place first. Its steps on the run's model and first batch are
+    timed against fp32's. It is taken if they take at most AUTO_MAX_RATIO of fp32's time.
     Under torchrun every process takes rank 0's choice, on every path."""
     precision, native, notes = name, native_16bit(device), []
     if name not in [*native, "fp32", "auto"]:
@@ -294,17 +295,17 @@ def choose_precision(name, model, batch, criterion, device):
 
 
 def make_optimizer(model, lr):
-    """The post's SGD, fused: its kernel takes the GradScaler's inf check, so that step()
-    needs no host sync in fp16."""
+    """The post's SGD, fused. Its kernel takes the GradScaler's inf check, so that step() needs
+    no host sync in fp16."""
     return torch.optim.SGD(model.parameters(), lr=lr, fused=True)
 
 
 # ---------- models and data
 
 def resnet18(imagenet_stem=False):
-    """torchvision's ResNet18 for CIFAR-10's 10 classes. Its stem is CIFAR's (a 3x3 stride-1
-    conv, no max-pool), or the post's ImageNet stem, which makes 32x32 images 8x8 maps."""
-    # Imported here: it takes seconds, and the linear example needs none of it.
+    """torchvision's ResNet18 for CIFAR-10's 10 classes. Its stem is CIFAR's: a 3x3 stride-1
+    conv, and no max-pool. Or it is the post's ImageNet stem, which makes 32x32 images 8x8 maps."""
+    # Imported here, since it takes seconds, and the linear example needs none of it.
     import torchvision
     model = torchvision.models.resnet18(num_classes=10)
     if not imagenet_stem:
@@ -314,10 +315,10 @@ def resnet18(imagenet_stem=False):
 
 
 def image_classifier(name):
-    """The memory example's image model `name`, for 10 classes, and the side of the images
-    it takes: resnet18 (the CIFAR stem) and resnet18-imagenet (the post's) take CIFAR's 32,
-    and torchvision's classification models the smallest side that their weights' metadata
-    states (224 for most, 299 for inception_v3). Nothing is downloaded."""
+    """The memory example's image model `name` for 10 classes, and the side of its images.
+    resnet18 has the CIFAR stem, and resnet18-imagenet the post's. Both take CIFAR's 32. A
+    torchvision classification model takes the smallest side that its weights' metadata
+    states. That is 224 for most, and 299 for inception_v3. Nothing is downloaded."""
     if name in ("resnet18", "resnet18-imagenet"):
         return resnet18(imagenet_stem=name == "resnet18-imagenet"), 32
     from torchvision import models
@@ -328,12 +329,12 @@ def image_classifier(name):
 
 
 class DeviceLoader:
-    """Batches of (inputs, targets) held on the device, as in airbench: a few tensor ops a
-    batch, and no worker process. Training batches (`shuffle`) come in an order drawn from
-    (seed, epoch); under torchrun each process takes its share (by RANK and WORLD_SIZE), as
-    many whole batches as every other, since under DDP a process with one batch more would
-    wait for good in its all-reduce. Test batches hold every sample once. max_batches cuts
-    an epoch short."""
+    """Batches of inputs and targets held on the device, as in airbench. A batch costs a few
+    tensor ops, and no worker process. Training batches (`shuffle`) come in an order drawn
+    from the seed and the epoch. Under torchrun each process takes its share, by RANK and
+    WORLD_SIZE. Every process gets as many whole batches as every other. Under DDP a process
+    with one batch more would wait for good in its all-reduce. Test batches hold every sample
+    once. max_batches cuts an epoch short."""
 
     def __init__(self, inputs, targets, batch_size, device, transform, shuffle=False, seed=0,
                  max_batches=sys.maxsize):
@@ -350,16 +351,16 @@ class DeviceLoader:
         return min(batches, self.max_batches)
 
     def __iter__(self):
-        # One seed for (seed, epoch): a CPU generator keeps 32 bits of it, and the prime
+        # One seed for the seed and the epoch. A CPU generator keeps 32 bits of it. The prime
         # stride keeps the pairs apart for epochs under a million.
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32
         order = torch.arange(len(self.targets))
         if self.shuffle:
-            # Drawn on the CPU, where every process draws the same order, and takes its share.
+            # Drawn on the CPU, where every process draws the same order. Each takes its share.
             order = torch.randperm(len(order), generator=torch.Generator().manual_seed(seed))
             order = order[rank()::world_size()]
         order = order[:len(self) * self.batch_size]
-        # Each process crops its own images: one draw of crops for all of them does no harm.
+        # Each process crops its own images, so one draw of crops serves them all.
         augment = torch.Generator(self.targets.device).manual_seed(seed)
         for index in order.to(self.targets.device).split(self.batch_size):
             yield self.transform(self.inputs[index], augment), self.targets[index]
@@ -378,8 +379,8 @@ def random_crop_flip(images, generator):
 
 
 def cifar10_transform(device, augment):
-    """uint8 images to normalized float ones, cropped and flipped if `augment`, in
-    channels_last: the layout that tensor cores and oneDNN's convolutions work in."""
+    """Turns uint8 images into normalized float ones, cropped and flipped if `augment`. They
+    come in channels_last, the layout that tensor cores and oneDNN's convolutions work in."""
     mean, std = torch.tensor(CIFAR10_MEAN_STD, device=device).view(2, 3, 1, 1) * 255
 
     def transform(images, generator):
@@ -391,11 +392,11 @@ def cifar10_transform(device, augment):
 
 
 def synthetic_cifar10(size, seed=0, train=True):
-    """CIFAR-10-shaped uint8 images and labels: a smooth pattern for each class, and noise."""
+    """CIFAR-10-shaped uint8 images and labels. Each is a smooth pattern for its class, and noise."""
     generator = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, 4, 4, generator=generator)
     patterns = nn.functional.interpolate(patterns, size=(32, 32), mode="bilinear")
-    # The test set draws other images than the training set: seed * 2 + 2, against + 1.
+    # The test set draws other images than the training set, from seed * 2 + 2 against + 1.
     generator.manual_seed(seed * 2 + 2 - train)
     labels = torch.randint(0, 10, (size,), generator=generator)
     images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=generator)
@@ -424,14 +425,14 @@ def cifar10(root):
 
 
 def linear_batch(batch_size, seed):
-    """The post's Linear(10, 1) problem: one fixed batch, seeded here."""
+    """The post's Linear(10, 1) problem. It is one fixed batch, seeded here."""
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(batch_size, 10, generator=generator)
     return inputs, torch.randn(batch_size, 1, generator=generator)
 
 
 def build_example(args, device):
-    """The model, loss, training and test loaders of args.example, for this process; its
+    """The model, loss, training and test loaders of args.example, for this process. Its
     --batch-size is each process's. The linear example trains every process on its batch."""
     if args.example == "linear":
         # Its batch is taken as it is.
@@ -441,7 +442,7 @@ def build_example(args, device):
     train, test = synthetic_cifar10(10_000, args.seed), synthetic_cifar10(2_000, args.seed, False)
     if args.data == "cifar10":
         train, test = cifar10(args.data_root)
-    # --max-steps N: N steps an epoch, and N test batches; 0 takes all.
+    # --max-steps N takes N steps an epoch, and N test batches. 0 takes all.
     steps = args.max_steps or sys.maxsize
     train_loader = DeviceLoader(*train, args.batch_size, device, cifar10_transform(device, True),
                                 True, args.seed, steps * args.accum_steps)
@@ -513,16 +514,16 @@ def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader,
     samples."""
     optimizer, scaler = objects["optimizer"], objects["scaler"]
     amp_dtype = PRECISIONS[args.precision]
-    # The order, crops and flips come from (seed, epoch): a resumed run sees the same.
+    # The order, crops and flips come from the seed and the epoch. A resumed run sees the same.
     train_loader.epoch = epoch
     batches = progress(train_loader, f"epoch {epoch + 1}: batch", print0)
     start = time.perf_counter()
     stats = train_epoch(model, batches, optimizer, criterion, scaler, device, amp_dtype,
                         clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps)
     seconds = time.perf_counter() - start
-    # The mean train loss over every process's samples. Each process tests the whole test
-    # set with its own BatchNorm statistics: rank 0's are those printed and saved, and DDP
-    # gives them to all at the next forward pass.
+    # The mean train loss over every process's samples. Each process tests the whole test set
+    # with its own BatchNorm statistics. Rank 0's are those printed and saved, and DDP gives
+    # them to all at the next forward pass.
     sums = torch.tensor([stats["loss"] * stats["samples"], stats["samples"]], device=device)
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -537,8 +538,8 @@ def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader,
 
 
 def progress(items, label, log):
-    """Yields `items`. Every PROGRESS_SECONDS it logs how many of them are done and the
-    time each took so far: a slow run shows that it is alive, and how long it will take."""
+    """Yields `items`. Every PROGRESS_SECONDS it logs how many of them are done, and the time
+    each took so far. So a slow run shows that it is alive, and how long it will take."""
     start = last = time.perf_counter()
     for done, item in enumerate(items, 1):
         yield item
@@ -551,20 +552,20 @@ def epoch_problem(record, model):
     """Why training cannot go on after this epoch, and what to try; or None."""
     tensors = model.state_dict()
     finite = torch.stack([t.isfinite().all() for t in tensors.values()]).int()
-    # Every process decides alike: BatchNorm's statistics differ between processes until
-    # DDP's next forward pass, and a tensor that is not finite on one of them stops all.
+    # Every process decides alike. BatchNorm's statistics differ between processes until DDP's
+    # next forward pass, and a tensor that is not finite on one of them stops all.
     if dist.is_initialized():
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     # One host sync for all the model's tensors.
     finite = finite.tolist()
-    # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
-    # Without a scaler (bf16, fp32) no step is skipped: an inf/NaN loss makes NaN weights.
+    # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated. bf16
+    # and fp32 have no scaler to skip a step, so an inf or NaN loss makes NaN weights.
     if not all(finite):
         return (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
                 "or look for inf/NaN in the data")
-    # In fp16 the scaler skipped the steps whose gradients held inf/NaN, and halved its
-    # scale each time. Far under 1, no scale makes them finite: the inf/NaN comes from the
-    # forward pass, or from the data.
+    # In fp16 the scaler skipped the steps whose gradients held inf or NaN, and halved its
+    # scale each time. Far under 1, no scale makes them finite. Then the inf or NaN comes from
+    # the forward pass, or from the data.
     if record["loss_scale"] < 2.0**-16:
         return (f"the loss scale fell to {record['loss_scale']:g}: fp16 overflows in the "
                 "forward pass, or the data holds inf/NaN; try --precision bf16")
@@ -585,15 +586,15 @@ def epoch_line(record, epochs):
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Counts, on leaving the block, the bytes that autograd saved in it for backward, in
-    each pass of the block: weight copies, which autocast cast from a weight to a lower
-    precision and which do not grow with the batch, and activations, all the rest."""
+    """Counts the bytes that autograd saved for backward in the block, over all its passes.
+    The counts are ready on leaving the block. Weight copies are what autocast cast from a
+    weight to a lower precision, and do not grow with the batch. Activations are the rest."""
     saved = {}
 
     def pack(tensor):
-        # Back through views (Linear saves its weight copy transposed, a tied head uses
-        # weight.T) and casts to where the tensor began: a weight copy passed a cast, and
-        # began at a weight, not at a tensor made from one (an embedding's output, say).
+        # Back through views and casts to where the tensor began. Linear saves its weight copy
+        # transposed, and a tied head uses weight.T. A weight copy passed a cast, and began at
+        # a weight. A tensor made from a weight, such as an embedding's output, is no copy.
         node, cast = tensor.grad_fn, False
         while type(node).__name__ in VIEWS_AND_CASTS:
             cast |= type(node).__name__ == "ToCopyBackward0"
@@ -653,15 +654,16 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
 
 def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps=MEMORY_STEPS,
                 seconds=MEMORY_SECONDS, name="model", log=print):
-    """What AMP buys on `model`, measured side by side. Copies of it train on one (inputs,
-    targets) batch in fp32 and with amp_dtype, which is torch.bfloat16 or torch.float16, as
-    train_epoch takes it. Each takes up to 3 warm-up steps. Then its steps are timed in 3
-    rounds of at most `steps` steps, as many as fit in `seconds`. log() hears when each
-    precision starts, how many steps it times, and how far slow steps got.
+    """What AMP buys on `model`, measured side by side. Copies of it train on one batch of
+    inputs and targets, in fp32 and with amp_dtype. amp_dtype is torch.bfloat16 or
+    torch.float16, as train_epoch takes it. Each precision takes up to 3 warm-up steps. Then
+    its steps are timed in 3 rounds of at most `steps` steps, as many as fit in `seconds`.
+    log() hears when each precision starts, how many steps it times, and how far slow ones got.
 
-    Returns {"fp32": ..., "bf16" or "fp16": ...}. Each holds the bytes that autograd saved for
-    backward (activations, and autocast's weight copies), the step times, the samples per
-    second, and on CUDA and XPU the peak memory. The labels that amp_report prints come too.
+    Returns a dict with "fp32" and "bf16" or "fp16". Each holds the bytes that autograd saved
+    for backward, as activations and as autocast's weight copies. Each holds the step times,
+    the samples per second, and on CUDA and XPU the peak memory. The labels that amp_report
+    prints come too.
     """
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(amp_dtype)
     if precision is None:
@@ -677,8 +679,8 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
 
 
 def amp_report(measured):
-    """measure_amp's result as lines: fp32 and AMP side by side with their ratio, a verdict
-    to paste into a bug report, and a warning when the timings are noisy."""
+    """measure_amp's result as lines. fp32 and AMP stand side by side, with their ratio. The
+    last line is a verdict to paste into a bug report."""
     name = measured["precision"]
     fp32, amp = measured["fp32"], measured[name]
     lines = [f"{'':<22}{'fp32':>14}{name:>14}{name + '/fp32':>12}"]
@@ -688,12 +690,12 @@ def amp_report(measured):
             ratio = f"{amp[key] / fp32[key]:.2f}"
         lines.append(f"{key:<22}{cell(key, fp32[key]):>14}{cell(key, amp[key]):>14}{ratio:>12}")
     step = amp["median_step_seconds"] / fp32["median_step_seconds"]
-    # What autograd saves in all: AMP halves the activations, and adds its weight copies
-    # (fp32 makes none).
+    # What autograd saves in all. AMP halves the activations, and adds its weight copies, of
+    # which fp32 makes none.
     memory = (amp["activation_bytes"] + amp["weight_copy_bytes"]) / fp32["activation_bytes"]
-    # Within the run's own spread (how much slower the median step is than the fastest, in
-    # either precision), or 5%, the two are as fast as each other: one slow step is common on
-    # a shared machine, and a slow median moves the verdict.
+    # Within the run's own spread, or 5%, the two are as fast as each other. The spread is how
+    # much slower the median step is than the fastest, in either precision. One slow step is
+    # common on a shared machine, and a slow median moves the verdict.
     band = max(fp32["median_step_seconds"] / fp32["fastest_step_seconds"] - 1,
                amp["median_step_seconds"] / amp["fastest_step_seconds"] - 1, 0.05)
     speed = "about as fast as fp32"
@@ -716,9 +718,9 @@ def cell(key, value):
 
 
 def run_memory(args, device, notes):
-    """The memory example: --model and a batch of random data, measured by measure_amp: the
-    post's Linear(10, 1) problem, or an image model (see image_classifier) in channels_last,
-    the layout oneDNN's and cuDNN's convolutions then use. Returns 0."""
+    """The memory example. measure_amp measures --model on a batch of random data. The model is
+    the post's Linear(10, 1) problem, or an image model from image_classifier. An image model
+    is in channels_last, the layout that oneDNN's and cuDNN's convolutions then use. Returns 0."""
     # It compares AMP with fp32. Its "auto" is the device's best native 16-bit precision, or
     # else bf16: whether AMP pays is what it measures.
     precision = args.precision.replace("auto", (native_16bit(device) + ["bf16"])[0])
@@ -749,14 +751,16 @@ def run_memory(args, device, notes):
 class RunFolder:
     """--run-dir DIR: one training run's DIR/checkpoint.pt and DIR/metrics.jsonl.
 
-    One run owns the folder: it holds a lock on the folder itself, which the kernel frees
-    when the process dies. Every write is whole (a fresh file, flushed to the disk, renamed
-    over the old one), so that kill -9 or a full disk at any moment leaves the last
-    checkpoint. A run without --resume never overwrites a checkpoint, but for a torchrun
-    restart of the launch that wrote it. The checkpoint is the standard one, as the AMP
-    recipe and torchvision's reference scripts save it: the state dicts of the model, the
-    optimizer, the GradScaler and the lr scheduler, beside the epoch, the flags and the
-    metrics lines; torch.load(path, weights_only=True) reads it anywhere.
+    One run owns the folder. It holds a lock on the folder itself, which the kernel frees
+    when the process dies. Every write is whole: a fresh file, flushed to the disk, is renamed
+    over the old one. So kill -9 or a full disk at any moment leaves the last checkpoint. A run
+    without --resume never overwrites a checkpoint. A torchrun restart of the launch that
+    wrote it is the one exception.
+
+    The checkpoint is the standard one, as the AMP recipe and torchvision's reference scripts
+    save it. It holds the state dicts of the model, the optimizer, the GradScaler and the lr
+    scheduler. The epoch, the flags and the metrics lines come beside them. torch.load(path,
+    weights_only=True) reads it anywhere.
     """
 
     def __init__(self, path, resume, job):
@@ -789,8 +793,8 @@ class RunFolder:
                     self.state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
                     self.contents = f"{path} holds epoch {self.state['epoch']}"
                     job = self.state["job"]
-                # A torchrun restart goes on from its own launch's checkpoint without
-                # --resume; a run without torchrun is a launch of its own.
+                # A torchrun restart goes on from its own launch's checkpoint without --resume.
+                # A run without torchrun is a launch of its own.
                 if not resume and job != self.job:
                     raise UsageError(f"{path} holds a run: add --resume, or use another --run-dir")
         except BaseException:
@@ -798,12 +802,12 @@ class RunFolder:
             raise
 
     def save(self, objects, flags, metrics, checkpoint=True):
-        """Writes the checkpoint of epoch len(metrics), unless not `checkpoint`, then the
-        metrics file, a JSON line an epoch: a resumed run writes it anew from the
+        """Writes the checkpoint of epoch len(metrics), if `checkpoint`, then the metrics file.
+        That holds a line of JSON an epoch, and a resumed run writes it anew from the
         checkpoint's lines. objects are the model, optimizer, scaler and scheduler by name."""
         state = {name: part.state_dict() for name, part in objects.items()}
         state.update(epoch=len(metrics), args=flags, metrics=metrics, job=self.job)
-        # Serialized in memory first: a full disk then meets a plain write.
+        # Serialized in memory first, so that a full disk meets a plain write.
         buffer = io.BytesIO()
         torch.save(state, buffer)
         try:
@@ -819,8 +823,8 @@ class RunFolder:
 
 
 class NoFolder:
-    """Stands in for a RunFolder where nothing is saved: without --run-dir, and on every
-    process but rank 0, which alone writes."""
+    """Stands in for a RunFolder where nothing is saved. That is without --run-dir, and on
+    every process but rank 0, which alone writes."""
 
     def save(self, *args, **kwargs):
         pass
@@ -832,9 +836,9 @@ class NoFolder:
 
 
 def replace_file(path, data):
-    """Writes `data` to `path` whole or not at all: into a new file of a name of its own
-    beside it (mkstemp's, so no link or file that stood there is written through), flushed
-    to the disk, renamed over `path`."""
+    """Writes `data` to `path` whole or not at all. It goes into a new file beside it, flushed
+    to the disk and renamed over `path`. mkstemp names the new file, so no link or file that
+    stood there is written through."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
     # From the moment the file exists, a full disk or Ctrl-C must not leave it behind.
     try:
@@ -851,9 +855,9 @@ def replace_file(path, data):
 
 @contextlib.contextmanager
 def checkpoint_at(path):
-    """Ends in one line any error in reading or applying the checkpoint at `path`: a file of
-    another program, truncated, a folder, or a checkpoint of another model. Nothing has been
-    written yet when it comes."""
+    """Ends in one line any error in reading or applying the checkpoint at `path`. The file may
+    be another program's, truncated, a folder, or a checkpoint of another model. Nothing has
+    been written yet when the error comes."""
     try:
         yield
     except Exception as e:
@@ -862,10 +866,10 @@ def checkpoint_at(path):
 
 
 def restore(state, objects, lr, path):
-    """Loads the checkpoint's state dicts into objects, in place; returns its metrics lines."""
+    """Loads the checkpoint's state dicts into objects, in place. Returns its metrics lines."""
     with checkpoint_at(path):
         for name, part in objects.items():
-            # A disabled GradScaler (bf16, fp32) saves {}: in fp16 the run starts a new scale.
+            # A disabled GradScaler, as in bf16 and fp32, saves {}. fp16 then starts a new scale.
             if state[name]:
                 part.load_state_dict(state[name])
         # load_state_dict checks no shapes, but a fused optimizer walks each state tensor as
@@ -884,8 +888,8 @@ def restore(state, objects, lr, path):
 
 
 def open_run_folder(args, job):
-    """Rank 0 takes --run-dir; every process gets (its folder, the checkpoint to go on from,
-    or {}). The other processes save nothing: theirs is a NoFolder."""
+    """Rank 0 takes --run-dir. Every process gets its folder and the checkpoint to go on from,
+    or {}. The other processes save nothing, so theirs is a NoFolder."""
     folder, checkpoint_or_error = NoFolder(), {}
     if args.run_dir is not None and rank() == 0:
         try:
@@ -921,19 +925,19 @@ def from_rank_0(value):
 
 
 def join_processes():
-    """Under torchrun, joins the other processes through its
-    rendezvous, and returns the launch's name: the host and process id of rank 0's torchrun
-    agent, the one process that restarts its workers, for every restart of the launch. Under
-    the static rendezvous node ranks never change, and c10d ranks its nodes by their agents,
-    so rank 0's agent stays while the same agents do. A run without torchrun is a launch of
-    its own: its host, process id and start time, which no other run has."""
+    """Under torchrun, joins the other processes through its rendezvous. Returns the launch's
+    name, the host and process id of rank 0's torchrun agent. That agent is the one process
+    that restarts its workers, so the name holds for every restart of the launch. The static
+    rendezvous never changes node ranks, and c10d ranks its nodes by their agents. So rank
+    0's agent stays while the same agents do. A run without torchrun is a launch of its own.
+    Its name is its host, process id and start time, which no other run has."""
     if world_size() > 1:
         store, process_rank, processes = next(dist.rendezvous("env://"))
-        # The static rendezvous, and c10d's unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, keep
-        # the agent's store for every restart: each restart then takes keys of its own, or
-        # gloo would connect to the last one's processes, which are gone. One agent counts
-        # the restarts of all its workers alike; agents on several machines count them apart
-        # (pytorch issue 135712), so there each restart needs a store of its own.
+        # The static rendezvous keeps the agent's store for every restart. So does c10d's,
+        # unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. Each restart then takes keys of its own.
+        # Otherwise gloo would connect to the last round's processes, which are gone. One agent
+        # counts the restarts of all its workers alike. Agents on several machines count them
+        # apart (pytorch issue 135712), so there each restart needs a store of its own.
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
         # torch takes each device's own backend: NCCL for CUDA, XCCL for XPU, gloo for CPUs.
@@ -948,7 +952,7 @@ def join_processes():
 # ====================================================================================
 
 class UsageError(Exception):
-    """A mistake the user can fix: the run ends in one line that says what to do, exit 2."""
+    """A mistake the user can fix. The run ends in one line that says what to do, with exit 2."""
 
 
 def print0(*lines, file=None):
@@ -1002,7 +1006,8 @@ def make_parser():
     add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
         help="the gradients' largest norm; 0: off")
     add("--accum-steps", default=1, type=count, help="micro-batches a step")
-    # A help that holds %(default) gets no "(default: None)": %(default).0s prints nothing.
+    # argparse adds no "(default: None)" to a help that holds %(default), and %(default).0s
+    # prints nothing.
     add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each "
         "epoch%(default).0s")
     add("--resume", action="store_true",
@@ -1016,22 +1021,21 @@ def make_parser():
 
 
 def parse_args(argv, state):
-    """The flags, checked, and the notes to print before training: one line and exit 2 for
-    any mistake, through main(). A resumed run goes on with the flags of its checkpoint,
-    `state` ({} for none): they are the defaults, and each flag given again comes with a
-    note."""
+    """The flags, checked, and the notes to print before training. Any mistake ends in one line
+    and exit 2, through main(). A resumed run goes on with the flags of its checkpoint,
+    `state`, which is {} for none. They are the defaults, and each flag given again comes with
+    a note."""
     saved, notes = state.get("args", {}), []
     parser = make_parser()
     parser.set_defaults(**saved)
     args = parser.parse_args(argv)
-    # Parsed again into a namespace that holds None for each flag: argparse sets no default
-    # on a name already there, so a flag that is not None was given.
+    # Parsed again into a namespace that holds None for each flag. argparse sets no default on
+    # a name already there, so a flag that is not None was given.
     given = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args))))
     for key, value in vars(given).items():
         name, examples = key.replace("_", "-"), FLAG_EXAMPLES.get(key, EXAMPLES)
         if value is not None and args.example not in examples:
             raise UsageError(f"--{name} is for --example {' and '.join(examples)}")
-        # Another --example finds a checkpoint of another model, and ends in one line.
         if key in saved and value not in (None, saved[key]):
             notes.append(f"note: --{name} {value} replaces the checkpoint's {saved[key]}")
     if args.resume and args.run_dir is None:
@@ -1042,13 +1046,13 @@ def parse_args(argv, state):
 
 
 def main(argv):
-    """The command line: runs an example, returns its exit status. A mistake, running out
-    of GPU memory, and Ctrl-C each end in one line; a bug keeps its traceback."""
+    """The command line. It runs an example, and returns its exit status. A mistake and Ctrl-C
+    each end in one line. A bug keeps its traceback, and so does running out of memory."""
     folder = NoFolder()
     try:
         args, _ = parse_args(argv, {})
         device = resolve_device(args.device)
-        # torchrun's processes meet first: rank 0 opens the folder, and all go on from its
+        # torchrun's processes meet first. Rank 0 opens the folder, and all go on from its
         # checkpoint.
         folder, state = open_run_folder(args, join_processes())
         args, notes = parse_args(argv, state)
