@@ -258,10 +258,9 @@ def device_label(device):
     # Before torch 2.9 allow_tf32 is the only API. After it, allow_tf32 raises once the new
     # fp32_precision has been set, so the new one is read where torch has it.
     if hasattr(cuda.matmul, "fp32_precision"):
-        fp32 = [op.fp32_precision for op in (cuda.matmul, cudnn.conv)]
-        # An op set to "none" takes the setting of CUDA as a whole, then torch's, then IEEE's.
-        for parent in (cudnn.fp32_precision, torch.backends.fp32_precision, "ieee"):
-            fp32 = [setting.replace("none", parent) for setting in fp32]
+        # torch reads an op's "none" through the settings above it. "none" all the way up
+        # means IEEE fp32.
+        fp32 = [op.fp32_precision.replace("none", "ieee") for op in (cuda.matmul, cudnn.conv)]
     else:
         fp32 = [["ieee", "tf32"][allowed] for allowed in (cuda.matmul.allow_tf32, cudnn.allow_tf32)]
     return f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul {fp32[0]}, conv {fp32[1]})"
@@ -392,7 +391,8 @@ def cifar10_transform(device, augment):
 
 
 def synthetic_cifar10(size, seed=0, train=True):
-    """CIFAR-10-shaped uint8 images and labels. Each is a smooth pattern for its class, and noise."""
+    """CIFAR-10-shaped uint8 images and labels. Each image is its class's smooth pattern, and
+    noise."""
     generator = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, 4, 4, generator=generator)
     patterns = nn.functional.interpolate(patterns, size=(32, 32), mode="bilinear")
