@@ -991,9 +991,9 @@ def make_parser():
     add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps", "xpu"],
         help="auto: torch's accelerator if it finds one, else cpu")
     add("--precision", default="auto", choices=["auto", *PRECISIONS],
-        help="auto: bf16 where the device computes it natively, fp16 on CUDA GPUs before "
-        "compute capability 8.0, fp32 elsewhere (README's table). On a CPU bf16 is timed first, "
-        f"and taken if its steps take at most {AUTO_MAX_RATIO}x fp32's")
+        help="auto: bf16 where the device computes it natively, fp16 on CUDA GPUs of compute "
+        "capability 7.x, fp32 elsewhere (README's table). On a CPU bf16 is timed first, and "
+        f"taken if its steps take at most {AUTO_MAX_RATIO}x fp32's")
     add("--epochs", default=EPOCHS, type=count, help="linear's are steps")
     add("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
     add("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf, "more than 0"),
