@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 # The post's settings are SGD with lr 0.01, batch 128, StepLR(10, 0.1) and 100 epochs. Its
-# linear program keeps one lr, so the linear example's lr falls by a factor of 1.
+# linear program keeps its lr fixed, and so does the linear example.
 EPOCHS = 100
 BATCH_SIZE = 128
 LR = 0.01
@@ -107,14 +107,16 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
 
     loader yields pairs of tensors, the inputs and the targets. criterion(model(inputs),
     targets) is the batch's mean loss. amp_dtype is torch.bfloat16, torch.float16, or None for
-    fp32. scaler is a torch.amp.GradScaler enabled for float16. bf16 and fp32 take None.
+    fp32. scaler is a torch.amp.GradScaler enabled for float16. bf16 and fp32 need none, and
+    may pass None.
 
     Three choices are ours, not the docs'. First, the gradients are zeroed before each step's
-    first micro-batch. So no gradient left from before reaches a step. Second, accum_steps=K
-    takes one step for every K micro-batches. Each micro-batch's loss is weighted by its
-    samples, so the step is the one that their whole batch would take. A short group at the
-    end of the loader takes a step of its own. Third, a scheduler steps after every step, even
-    one that the scaler skipped. Knowing which were skipped would cost a host sync a step.
+    first micro-batch, not after its step. So no gradient left from before reaches a step.
+    Second, accum_steps=K takes one step for every K micro-batches. Each micro-batch's loss is
+    weighted by its samples. So the step is the one that their whole batch would take, but for
+    BatchNorm's statistics. A short group at the end of the loader takes a step of its own.
+    Third, a scheduler steps after every step, even one that the scaler skipped. Knowing which
+    were skipped would cost a host sync a step.
 
     So give it a schedule by steps, such as a warm-up or OneCycleLR. Step a schedule by epochs
     yourself, once an epoch, as the examples do with the post's StepLR(10, 0.1). With a plain
@@ -141,8 +143,8 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     loss_sum = torch.zeros((), device=device)
     samples = 0
     batches = iter(loader)
-    # A step's micro-batches stay where the loader made them until their forward pass. So
-    # only one at a time takes the device's memory.
+    # A step's micro-batches stay where the loader made them until their forward pass. So a
+    # loader's host batches take the device's memory one at a time.
     group = list(itertools.islice(batches, accum_steps))
     while group:
         # A gradient left from before never counts, such as one from a micro-batch that raised.
@@ -178,7 +180,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
         if scheduler is not None:
             scheduler.step()
         group = list(itertools.islice(batches, accum_steps))
-    # The epoch's one host sync. An empty loader gives a mean of NaN.
+    # With a fused optimizer, the epoch's one host sync. An empty loader gives a mean of NaN.
     return {"loss": (loss_sum / samples).item(), "samples": samples}
 
 
@@ -246,6 +248,13 @@ def native_16bit(device):
     return list(dict.fromkeys(cpu_16bit().values()))
 
 
+def auto_amp(device):
+    """The 16-bit precision that --precision auto trusts on `device`, or None. bf16 needs no
+    GradScaler, so it comes first. fp16's GradScaler is trusted on CUDA alone."""
+    trusted = [bits for bits in native_16bit(device) if bits == "bf16" or device.type == "cuda"]
+    return (trusted + [None])[0]
+
+
 def device_label(device):
     """The device as headers and verdicts name it. A CPU comes with its 16-bit instructions.
     A CUDA GPU comes with its name and the precision of fp32's matmuls and convolutions. That
@@ -278,9 +287,7 @@ def choose_precision(name, model, batch, criterion, device):
     if name not in [*native, "fp32", "auto"]:
         notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
     if name == "auto":
-        # bf16 needs no GradScaler. fp16's GradScaler is trusted on CUDA alone.
-        trusted = [bits for bits in native if bits == "bf16" or device.type == "cuda"]
-        precision = (trusted + ["fp32"])[0]
+        precision = auto_amp(device) or "fp32"
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
         # A CPU's bf16 is timed first.
         if device.type == "cpu" and precision == "bf16":
@@ -350,8 +357,8 @@ class DeviceLoader:
         return min(batches, self.max_batches)
 
     def __iter__(self):
-        # One seed for the seed and the epoch. A CPU generator keeps 32 bits of it. The prime
-        # stride keeps the pairs apart for epochs under a million.
+        # The seed and the epoch make one 32-bit seed, as a CPU generator keeps 32 bits. The
+        # prime stride keeps the pairs apart for epochs under a million.
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32
         order = torch.arange(len(self.targets))
         if self.shuffle:
@@ -396,7 +403,7 @@ def synthetic_cifar10(size, seed=0, train=True):
     generator = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, 4, 4, generator=generator)
     patterns = nn.functional.interpolate(patterns, size=(32, 32), mode="bilinear")
-    # The test set draws other images than the training set, from seed * 2 + 2 against + 1.
+    # The test set draws from seed * 2 + 2, and the training set from seed * 2 + 1.
     generator.manual_seed(seed * 2 + 2 - train)
     labels = torch.randint(0, 10, (size,), generator=generator)
     images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=generator)
@@ -721,9 +728,9 @@ def run_memory(args, device, notes):
     """The memory example. measure_amp measures --model on a batch of random data. The model is
     the post's Linear(10, 1) problem, or an image model from image_classifier. An image model
     is in channels_last, the layout that oneDNN's and cuDNN's convolutions then use. Returns 0."""
-    # It compares AMP with fp32. Its "auto" is the device's best native 16-bit precision, or
-    # else bf16: whether AMP pays is what it measures.
-    precision = args.precision.replace("auto", (native_16bit(device) + ["bf16"])[0])
+    # It compares AMP with fp32. Its "auto" is the precision that auto_amp trusts, or else bf16.
+    # Whether AMP pays is what it measures.
+    precision = args.precision.replace("auto", auto_amp(device) or "bf16")
     if precision == "fp32":
         raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
     precision, precision_notes = choose_precision(precision, None, None, None, device)
@@ -994,8 +1001,8 @@ def make_parser():
         help="auto: bf16 where the device computes it natively, fp16 on CUDA GPUs of compute "
         "capability 7.x, fp32 elsewhere (README's table). On a CPU bf16 is timed first, and "
         f"taken if its steps take at most {AUTO_MAX_RATIO}x fp32's")
-    add("--epochs", default=EPOCHS, type=count, help="linear's are steps")
-    add("--batch-size", default=BATCH_SIZE, type=count, help="each process's")
+    add("--epochs", default=EPOCHS, type=count, help="a linear epoch is one step")
+    add("--batch-size", default=BATCH_SIZE, type=count, help="the batch size per process")
     add("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf, "more than 0"),
         help="SGD's; resnet's falls tenfold every 10 epochs")
     add("--data", default="cifar10", choices=["cifar10", "synthetic"],
@@ -1005,7 +1012,7 @@ def make_parser():
         help="resnet's steps an epoch, and test batches; 0: off")
     add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
         help="the gradients' largest norm; 0: off")
-    add("--accum-steps", default=1, type=count, help="micro-batches a step")
+    add("--accum-steps", default=1, type=count, help="micro-batches per optimizer step")
     # argparse adds no "(default: None)" to a help that holds %(default), and %(default).0s
     # prints nothing.
     add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each "
