@@ -91,7 +91,9 @@ def to_device(batch, device):
     and the batch is only checked. Any other kind of batch is refused, such as a dict, or inputs
     that are a tuple. So is a batch of 0 samples, whose mean loss is NaN."""
     try:
-        inputs, targets = (part.to(device, non_blocking=True) for part in batch)
+        # A copy overlaps the device's work only from pinned memory. From pageable memory, MPS
+        # may read the batch after it is freed (pytorch issue 189690), so such copies wait.
+        inputs, targets = (part.to(device, non_blocking=part.is_pinned()) for part in batch)
     except (TypeError, ValueError, AttributeError) as e:
         # e says what failed inside. A tuple of inputs, say, has no .to().
         raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not a "
@@ -240,10 +242,13 @@ def native_16bit(device):
     if device.type == "cuda":
         # Tensor cores compute fp16 from compute capability 7.0 (Volta), and bf16 from 8.0.
         return CUDA_16BIT.get(min(torch.cuda.get_device_capability(device)[0], 8), [])
-    # Apple's GPUs compute fp16, and bf16 from macOS 14 on.
-    if device.type == "mps" and not torch.backends.mps.is_macos_or_newer(14, 0):
-        return ["fp16"]
-    if device.type in ("mps", "xpu"):
+    # MPS emulates neither, so its list is what trains at all. Before macOS 14 autocast turns
+    # bf16 off, and before torch 2.8 fp16's GradScaler has no MPS kernels.
+    if device.type == "mps":
+        trains = {"bf16": torch.backends.mps.is_macos_or_newer(14, 0),
+                  "fp16": torch.__version__ >= "2.8"}
+        return [bits for bits in trains if trains[bits]]
+    if device.type == "xpu":
         return ["bf16", "fp16"]
     return list(dict.fromkeys(cpu_16bit().values()))
 
@@ -258,7 +263,8 @@ def auto_amp(device):
 def device_label(device):
     """The device as headers and verdicts name it. A CPU comes with its 16-bit instructions.
     A CUDA GPU comes with its name and the precision of fp32's matmuls and convolutions. That
-    is "ieee", or "tf32", which is faster and coarser. AMP is measured against that fp32."""
+    is "ieee", or "tf32", which is faster and coarser. AMP is measured against that fp32. It
+    comes with cudnn.benchmark too, which times each convolution's algorithms once."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     if device.type == "cpu":
         return f"cpu (16-bit instructions: {list(cpu_16bit())})"
@@ -272,20 +278,26 @@ def device_label(device):
         fp32 = [op.fp32_precision.replace("none", "ieee") for op in (cuda.matmul, cudnn.conv)]
     else:
         fp32 = [["ieee", "tf32"][allowed] for allowed in (cuda.matmul.allow_tf32, cudnn.allow_tf32)]
-    return f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul {fp32[0]}, conv {fp32[1]})"
+    return (f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul {fp32[0]}, conv "
+            f"{fp32[1]}; cudnn.benchmark {cudnn.benchmark})")
 
 
 def choose_precision(name, model, batch, criterion, device):
     """The precision to train in, and the notes that say why. A precision that the device does
-    not compute natively trains with a note. "auto" takes bf16 where it is native, since it
-    needs no GradScaler. It takes fp16 next, but on CUDA alone. MPS's GradScaler fails before
-    torch 2.8, and had bugs after it. XPU's needs fp64 units, which Intel's Arc GPUs lack. A
-    CPU's bf16 must earn its place first. Its steps on the run's model and first batch are
+    not compute natively trains with a note, but on MPS, where it cannot train at all. "auto"
+    takes bf16 where it is native, since it needs no GradScaler. It takes fp16 next, but on
+    CUDA alone. MPS's GradScaler came in torch 2.8, and had bugs after it. XPU's unscale_()
+    computes in fp64, which Intel's Arc GPUs lack. Clipping calls it, and so does step() with
+    an optimizer that is not fused. A CPU's bf16 must earn its place first. Its steps on the run's model and first batch are
     timed against fp32's. It is taken if they take at most AUTO_MAX_RATIO of fp32's time.
     Under torchrun every process takes rank 0's choice, on every path."""
     precision, native, notes = name, native_16bit(device), []
     if name not in [*native, "fp32", "auto"]:
         notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
+        # MPS emulates neither. It would train in fp32 or fail, under a header that says 16 bits.
+        if device.type == "mps":
+            raise UsageError(f"{name} does not train on mps here: bf16 needs macOS 14, and fp16 "
+                             f"torch 2.8; use one of {[*native, 'fp32']}")
     if name == "auto":
         precision = auto_amp(device) or "fp32"
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
@@ -384,16 +396,24 @@ def random_crop_flip(images, generator):
     return padded.gather(2, rows).gather(3, cols.expand(n, 3, 32, 32))
 
 
+def image_layout(device):
+    """The memory layout of images and convolution weights on `device`. It is channels_last,
+    the layout in which tensor cores and oneDNN compute convolutions. MPS keeps the default
+    layout: there BatchNorm's backward gave wrong gradients in channels_last until 2026
+    (pytorch issue 175189)."""
+    return {"mps": torch.contiguous_format}.get(device.type, torch.channels_last)
+
+
 def cifar10_transform(device, augment):
     """Turns uint8 images into normalized float ones, cropped and flipped if `augment`. They
-    come in channels_last, the layout that tensor cores and oneDNN's convolutions work in."""
+    come in the device's image_layout."""
     mean, std = torch.tensor(CIFAR10_MEAN_STD, device=device).view(2, 3, 1, 1) * 255
 
     def transform(images, generator):
         if augment:
             images = random_crop_flip(images, generator)
         images = (images.float() - mean) / std
-        return images.contiguous(memory_format=torch.channels_last)
+        return images.contiguous(memory_format=image_layout(device))
     return transform
 
 
@@ -458,7 +478,7 @@ def build_example(args, device):
                          f"{len(train[1]) // world_size()} training images")
     test_loader = DeviceLoader(*test, args.batch_size, device, cifar10_transform(device, False),
                                max_batches=steps)
-    model = resnet18().to(device, memory_format=torch.channels_last)
+    model = resnet18().to(device, memory_format=image_layout(device))
     return model, nn.CrossEntropyLoss(), train_loader, test_loader
 
 
@@ -727,7 +747,7 @@ def cell(key, value):
 def run_memory(args, device, notes):
     """The memory example. measure_amp measures --model on a batch of random data. The model is
     the post's Linear(10, 1) problem, or an image model from image_classifier. An image model
-    is in channels_last, the layout that oneDNN's and cuDNN's convolutions then use. Returns 0."""
+    is in the device's image_layout. Returns 0."""
     # It compares AMP with fp32. Its "auto" is the precision that auto_amp trusts, or else bf16.
     # Whether AMP pays is what it measures.
     precision = args.precision.replace("auto", auto_amp(device) or "bf16")
@@ -739,7 +759,7 @@ def run_memory(args, device, notes):
     batch = linear_batch(args.batch_size, args.seed)
     if args.model != "linear":
         model, side = image_classifier(args.model)
-        model, criterion = model.to(memory_format=torch.channels_last), nn.CrossEntropyLoss()
+        model, criterion = model.to(memory_format=image_layout(device)), nn.CrossEntropyLoss()
         batch = torch.randn(args.batch_size, 3, side, side), torch.randint(0, 10, [args.batch_size])
     print0(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
         f"{args.model} | batch {args.batch_size}", *precision_notes, *notes)
@@ -931,24 +951,27 @@ def from_rank_0(value):
     return values[0]
 
 
-def join_processes():
-    """Under torchrun, joins the other processes through its rendezvous. Returns the launch's
-    name, the host and process id of rank 0's torchrun agent. That agent is the one process
-    that restarts its workers, so the name holds for every restart of the launch. The static
-    rendezvous never changes node ranks, and c10d ranks its nodes by their agents. So rank
-    0's agent stays while the same agents do. A run without torchrun is a launch of its own.
-    Its name is its host, process id and start time, which no other run has."""
+def join_processes(device):
+    """Under torchrun, joins the other processes through its rendezvous, with the backend of
+    `device`. Returns the launch's name: the host and process id of rank 0's torchrun agent.
+    That agent restarts the workers, so the name holds for every restart of the launch. A run
+    without torchrun is a launch of its own. Its name is its host, process id and start time."""
     if world_size() > 1:
         store, process_rank, processes = next(dist.rendezvous("env://"))
-        # The static rendezvous keeps the agent's store for every restart. So does c10d's,
-        # unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. Each restart then takes keys of its own.
-        # Otherwise gloo would connect to the last round's processes, which are gone. One agent
-        # counts the restarts of all its workers alike. Agents on several machines count them
-        # apart (pytorch issue 135712), so there each restart needs a store of its own.
+        # torchrun may keep one store for every restart. Then each restart takes keys of its
+        # own, or gloo would connect to processes that are gone. Agents on several machines
+        # count restarts apart (pytorch issue 135712). So README's line for several machines
+        # gives each restart a store of its own.
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-        # torch takes each device's own backend: NCCL for CUDA, XCCL for XPU, gloo for CPUs.
-        dist.init_process_group(store=store, rank=process_rank, world_size=processes)
+        # The device's own backend: gloo for a CPU, NCCL for CUDA, XCCL for XPU. Without one,
+        # torch takes the backend of the accelerator it finds, which cannot serve a CPU run.
+        # device_id binds NCCL to this process's GPU. torch 2.6 takes it for CUDA alone.
+        device_id = None
+        if device.type == "cuda":
+            device_id = device
+        dist.init_process_group(dist.get_default_backend_for_device(device), store=store,
+                                rank=process_rank, world_size=processes, device_id=device_id)
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return f"{platform.node()}:{os.getpid()}:{time.time()}"
     return f"{platform.node()}:{os.getppid()}"
@@ -1059,9 +1082,12 @@ def main(argv):
     try:
         args, _ = parse_args(argv, {})
         device = resolve_device(args.device)
+        # The examples' shapes never change. So cuDNN may time each convolution's algorithms
+        # once, and keep the fastest, for fp32 and AMP alike.
+        torch.backends.cudnn.benchmark = True
         # torchrun's processes meet first. Rank 0 opens the folder, and all go on from its
         # checkpoint.
-        folder, state = open_run_folder(args, join_processes())
+        folder, state = open_run_folder(args, join_processes(device))
         args, notes = parse_args(argv, state)
         if args.example == "memory":
             return run_memory(args, device, notes)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.torch_version import TorchVersion
 
 import amp_train
 
@@ -214,6 +215,16 @@ def test_a_batch_that_is_not_a_pair_of_tensors_says_what_it_is_and_points_to_rea
     assert train(model, user["pairs"], optimizer, scaler)["samples"] == 16
 
 
+def test_a_batch_moves_without_waiting_from_pinned_memory_alone(monkeypatch):
+    moves, to = [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking: moves.append(
+        non_blocking) or to(self, device))
+    for pinned in (False, True):
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: pinned)
+        amp_train.to_device(batch_of(2), CPU)
+    assert moves == [False, False, True, True], moves
+
+
 def test_a_gradient_left_from_before_never_reaches_a_step():
     batch = batch_of(16)
     model, optimizer, scaler = linear_setup()
@@ -402,6 +413,7 @@ def test_auto_and_readmes_set_up_lines_follow_its_table_and_every_process_takes_
         row, kind, capability, macos, found, auto, set_up, not_native, monkeypatch):
     fake_accelerator(monkeypatch, kind, capability, macos)
     fake_cpu(monkeypatch, *found)
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.8.0"))
     # bf16 steps, timed on a CPU, that take half of fp32's time.
     monkeypatch.setattr(amp_train, "measure_amp", lambda *args, **kwargs: {
         "fp32": {"median_step_seconds": 1.0}, "bf16": {"median_step_seconds": 0.5}})
@@ -410,17 +422,32 @@ def test_auto_and_readmes_set_up_lines_follow_its_table_and_every_process_takes_
     chosen, notes = amp_train.choose_precision("auto", None, None, None, torch.device(kind))
     assert chosen == auto and notes[0].startswith(f"note: auto trains in {auto}: "), notes
     for name in ("fp32", "bf16", "fp16"):
+        # A Mac refuses what it cannot train in: see the next test.
+        if kind == "mps" and name in not_native:
+            continue
         chosen, notes = amp_train.choose_precision(name, None, None, None, torch.device(kind))
         assert chosen == name and notes == [f"note: {name} is not native on {kind} here, so it "
                                             "is slower than fp32"][:name in not_native], notes
-    assert len(decided) == 4, "a path on which processes may choose apart"
+    assert len(decided) == 4 - (kind == "mps") * len(not_native), "a path without rank 0's choice"
     assert f"| {row} | {auto}" in README, f"README's table has no row {row!r} for {auto}"
-    # README's set-up lines cannot time a CPU: they take bf16 on AMX alone.
+    # README's set-up lines cannot time a CPU: they take bf16 on AMX alone. Its loaders pin
+    # their batches for CUDA alone.
     block = readme_blocks("## Copy this")[0]
     user = {"torch": torch}
     exec(block[block.index("# Once, where"):block.index("# Your model")], user)
-    assert (user["device"].type, user["amp_dtype"], user["scaler"].is_enabled()) == (
-        kind, set_up, set_up is FP16), user
+    assert (user["device"].type, user["amp_dtype"], user["scaler"].is_enabled(), user[
+        "train_loader"].pin_memory) == (kind, set_up, set_up is FP16, kind == "cuda"), user
+    layout = amp_train.image_layout(torch.device(kind))
+    assert (layout is torch.contiguous_format) == (kind == "mps") != (layout is torch.channels_last)
+
+
+def test_on_a_mac_bf16_before_macos_14_and_fp16_before_torch_2_8_end_in_one_line(monkeypatch):
+    fake_accelerator(monkeypatch, "mps", macos=13)
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1"))
+    for name in ("bf16", "fp16"):
+        with pytest.raises(amp_train.UsageError, match=rf"^{name} does not train on mps here: "
+                           r"bf16 needs macOS 14, and fp16 torch 2\.8; use one of \['fp32'\]$"):
+            amp_train.choose_precision(name, None, None, None, torch.device("mps"))
 
 
 @pytest.mark.parametrize("found,ratio,chosen", [
@@ -470,7 +497,8 @@ def test_a_cpus_label_names_the_16_bit_instructions_that_torch_finds_and_proc_cp
 def test_a_gpus_label_reads_fp32s_precision_by_the_api_torch_has_and_never_raises(monkeypatch):
     cuda, gpu = torch.backends.cuda, torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
-    label = "cuda:0 NVIDIA H200 (fp32: matmul {}, conv {})".format
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    label = "cuda:0 NVIDIA H200 (fp32: matmul {}, conv {}; cudnn.benchmark True)".format
     if not hasattr(cuda.matmul, "fp32_precision"):
         monkeypatch.setattr(cuda, "matmul", type("Matmul", (), {"allow_tf32": True}))
         assert amp_train.device_label(gpu) == label("tf32", "tf32")
@@ -672,7 +700,9 @@ def test_the_resnet_example_prints_a_fixed_epoch_line_and_how_far_a_long_epoch_g
                                                                                   capsys):
     assert 0 < amp_train.PROGRESS_SECONDS <= 15, "silent for over 15 s"
     monkeypatch.setattr(amp_train, "PROGRESS_SECONDS", 0)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     ok(RESNET + ["--epochs", "2", "--max-steps", "3", "--lr", "0.05"])
+    assert torch.backends.cudnn.benchmark, "cuDNN does not time its algorithms for fixed shapes"
     out = capsys.readouterr().out
     line = (r"^epoch 2/2 \| train loss [\d.]+ \| test loss [\d.]+ \| test acc +[\d.]+% \| "
             r"lr 0\.05 \| scale 1 \| \d+ samples/s \| [\d.]+ s$")
@@ -1104,6 +1134,8 @@ def ddp_worker(rank, argv, out_dir, port, nan_epoch):
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    # torch finds a GPU, as on a GPU machine, and its backend cannot serve a CPU run.
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
     # A process that waits for ever fails the test instead.
     faulthandler.dump_traceback_later(60, exit=True)
     # DDP works alike on 256 images: 10,000 take seconds.
