@@ -87,17 +87,28 @@ RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip
 # ---------- the part to copy: train_epoch, its companion to_device, and evaluate
 
 def to_device(batch, device):
-    """A batch's (inputs, targets) tensors, moved to `device`. With device None nothing moves,
-    and the batch is only checked. Any other kind of batch is refused, such as a dict, or inputs
-    that are a tuple. So is a batch of 0 samples, whose mean loss is NaN."""
+    """A batch's (inputs, targets), moved to `device`. inputs are a tensor, or a dict of tensors
+    that the model takes as keyword arguments, as Hugging Face's models do. targets are a tensor
+    with a row a sample. With device None nothing moves, and the batch is only checked. Any
+    other kind of batch is refused, such as a dict, or inputs that are a tuple. So is a batch of
+    0 samples, whose mean loss is NaN."""
+
+    # A copy overlaps the device's work only from pinned memory. From pageable memory, MPS may
+    # read the batch after it is freed (pytorch issue 189690), so such copies wait.
+    def move(tensor):
+        return tensor.to(device, non_blocking=tensor.is_pinned())
     try:
-        # A copy overlaps the device's work only from pinned memory. From pageable memory, MPS
-        # may read the batch after it is freed (pytorch issue 189690), so such copies wait.
-        inputs, targets = (part.to(device, non_blocking=part.is_pinned()) for part in batch)
+        inputs, targets = batch
+        targets = move(targets)
+        if isinstance(inputs, dict):
+            inputs = {name: move(tensor) for name, tensor in inputs.items()}
+        else:
+            inputs = move(inputs)
     except (TypeError, ValueError, AttributeError) as e:
         # e says what failed inside. A tuple of inputs, say, has no .to().
-        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, not a "
-                        f"{type(batch).__name__} ({e}): see README, 'Other batches'")
+        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, or of a dict of "
+                        f"tensors and a tensor, not a {type(batch).__name__} ({e}): see README, "
+                        "'Models that compute their own loss'")
     if len(targets) == 0:
         raise ValueError("a batch of 0 samples has no mean loss: let the loader skip it")
     return inputs, targets
@@ -107,8 +118,9 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
                 scheduler=None, clip_grad_norm=None, accum_steps=1):
     """One epoch of AMP training. It is the torch.amp docs' loop, with gradient accumulation.
 
-    loader yields pairs of tensors, the inputs and the targets. criterion(model(inputs),
-    targets) is the batch's mean loss. amp_dtype is torch.bfloat16, torch.float16, or None for
+    loader yields pairs of the inputs and the targets, as to_device takes them.
+    criterion(model(inputs), targets) is the batch's mean loss, or criterion(model(**inputs),
+    targets) where inputs are a dict. amp_dtype is torch.bfloat16, torch.float16, or None for
     fp32. scaler is a torch.amp.GradScaler enabled for float16. bf16 and fp32 need none, and
     may pass None.
 
@@ -129,6 +141,9 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     Returns {"loss", "samples"}: the mean loss per sample, and how many samples it trained on.
     """
     device = torch.device(device)
+    # autocast takes a torch dtype, not the command line's name for it.
+    if amp_dtype not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"amp_dtype is torch.bfloat16, torch.float16 or None, not {amp_dtype!r}")
     # bf16 and fp32 need no loss scaling. A disabled GradScaler passes everything through.
     if scaler is None:
         scaler = torch.amp.GradScaler(device.type, enabled=False)
@@ -161,7 +176,8 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
                 # Autocast covers the forward pass and the loss, and no more. Backward runs
                 # each op in the dtype that autocast chose for it in the forward pass.
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
-                    loss = criterion(model(inputs), targets)
+                    outputs = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+                    loss = criterion(outputs, targets)
                 # In fp16, scaling the loss scales every gradient with it. That lifts small
                 # gradients above fp16's smallest number. The weight makes the step a mean.
                 scaler.scale(loss * (len(targets) / sum(sizes))).backward()
@@ -188,25 +204,28 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
 
 @torch.inference_mode()
 def evaluate(model, loader, criterion, device, amp_dtype):
-    """The mean loss and accuracy of a classifier over `loader`, under autocast as in training.
-
-    Batches are as train_epoch takes them. model(inputs) must return class logits, one row a
-    sample, and targets hold class indices, as nn.CrossEntropyLoss takes them. Returns
-    {"loss", "accuracy", "samples"}. An empty loader gives NaN for loss and accuracy.
-    """
+    """The mean loss over `loader` of any model that train_epoch trains, under autocast as in
+    training. With an nn.CrossEntropyLoss, whose outputs are class logits and whose targets are
+    class indices, it gives the accuracy too. Under any other criterion the accuracy is NaN, as
+    it is for an empty loader. Returns {"loss", "accuracy", "samples"}."""
     device = torch.device(device)
     model.eval()
-    # The loss and the correct answers are summed on the device, and read once at the end.
+    classifier = isinstance(criterion, torch.nn.CrossEntropyLoss)
+    # The loss and the right answers are summed on the device, and read once at the end.
     sums = torch.zeros(2, device=device)
     samples = 0
     for batch in loader:
         inputs, targets = to_device(batch, device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
-            outputs = model(inputs)
+            outputs = model(**inputs) if isinstance(inputs, dict) else model(inputs)
             sums[0] += criterion(outputs, targets).float() * len(targets)
-        sums[1] += (outputs.argmax(dim=1) == targets).sum()
+        # Class logits are along dimension 1, as cross_entropy takes them.
+        if classifier:
+            sums[1] += (outputs.argmax(dim=1) == targets).float().mean() * len(targets)
         samples += len(targets)
     loss, accuracy = (sums / samples).tolist()
+    if not classifier:
+        accuracy = float("nan")
     return {"loss": loss, "accuracy": accuracy, "samples": samples}
 
 
@@ -288,9 +307,10 @@ def choose_precision(name, model, batch, criterion, device):
     takes bf16 where it is native, since it needs no GradScaler. It takes fp16 next, but on
     CUDA alone. MPS's GradScaler came in torch 2.8, and had bugs after it. XPU's unscale_()
     computes in fp64, which Intel's Arc GPUs lack. Clipping calls it, and so does step() with
-    an optimizer that is not fused. A CPU's bf16 must earn its place first. Its steps on the run's model and first batch are
-    timed against fp32's. It is taken if they take at most AUTO_MAX_RATIO of fp32's time.
-    Under torchrun every process takes rank 0's choice, on every path."""
+    an optimizer that is not fused. A CPU's bf16 must earn its place first. Its steps on the
+    run's model and first batch are timed against fp32's. It is taken if they take at most
+    AUTO_MAX_RATIO of fp32's time. Under torchrun every process takes rank 0's choice, on every
+    path."""
     precision, native, notes = name, native_16bit(device), []
     if name not in [*native, "fp32", "auto"]:
         notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
@@ -369,8 +389,8 @@ class DeviceLoader:
         return min(batches, self.max_batches)
 
     def __iter__(self):
-        # The seed and the epoch make one 32-bit seed, as a CPU generator keeps 32 bits. The
-        # prime stride keeps the pairs apart for epochs under a million.
+        # Each seed and epoch make one 32-bit seed, since a CPU generator keeps 32 bits. Seeds
+        # a million apart never meet while the epochs stay under a million.
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32
         order = torch.arange(len(self.targets))
         if self.shuffle:
@@ -792,18 +812,18 @@ class RunFolder:
 
     def __init__(self, path, resume, job):
         self.path, self.job, self.state = path, job, {}
-        # What the folder holds: a stopped run's last words.
+        # What the folder holds. A run that stops says so in its last line.
         self.contents = f"{path} holds no checkpoint"
         self.checkpoint = os.path.join(path, "checkpoint.pt")
+        if os.path.isfile(path):
+            raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
+        if resume and not os.path.exists(self.checkpoint):
+            raise UsageError(f"nothing to resume in {path}: run without --resume")
         # Imported here: native Windows has no fcntl, and only --run-dir needs it.
         try:
             import fcntl
         except ImportError:
             raise UsageError("--run-dir locks its folder with fcntl, missing here: use WSL")
-        if os.path.isfile(path):
-            raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
-        if resume and not os.path.exists(self.checkpoint):
-            raise UsageError(f"nothing to resume in {path}: run without --resume")
         os.makedirs(path, exist_ok=True)
         # A lock on the folder itself, which the kernel frees when the process dies. A folder
         # that cannot be used is let go at once.
@@ -1036,8 +1056,8 @@ def make_parser():
     add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
         help="the gradients' largest norm; 0: off")
     add("--accum-steps", default=1, type=count, help="micro-batches per optimizer step")
-    # argparse adds no "(default: None)" to a help that holds %(default), and %(default).0s
-    # prints nothing.
+    # These two have no default to show. The formatter adds "(default: ...)" to any help
+    # without "%(default)", so theirs holds "%(default).0s", which prints as nothing.
     add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each "
         "epoch%(default).0s")
     add("--resume", action="store_true",

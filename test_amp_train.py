@@ -31,8 +31,11 @@ pytestmark = [pytest.mark.filterwarnings("error::FutureWarning"),
               pytest.mark.filterwarnings("error::DeprecationWarning")]
 
 HERE = pathlib.Path(__file__).parent
-README = (HERE / "README.md").read_text()
+README = (HERE / "README.md").read_text(encoding="utf-8")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# --run-dir locks its folder with fcntl, and the two-process tests fork and kill -9: native
+# Windows has none of these.
+posix = pytest.mark.skipif(os.name != "posix", reason="needs POSIX: fcntl, fork and SIGKILL")
 CPU = torch.device("cpu")
 FP16, BF16 = torch.float16, torch.bfloat16
 MSE = nn.MSELoss()
@@ -184,12 +187,40 @@ def test_readmes_copy_this_block_holds_the_modules_functions_runs_alone_and_trai
                         r"+[\d.]+%\n){3}", out), out
 
 
+def test_readmes_own_loss_block_runs_alone_and_trains_each_form_as_the_docs_loop(capsys):
+    block = readme_blocks("## Models that compute their own loss")[0]
+    user, reference = {}, {}
+    torch.manual_seed(0)
+    exec(compile(block, "README.md", "exec"), user)
+    torch.manual_seed(0)
+    exec(compile(block[:block.index("for epoch in range(3):")], "README.md", "exec"), reference)
+    gpt, hf = reference["gpt"], reference["hf"]
+    forms = [(reference["gpt_optimizer"], reference["pairs"], lambda pair: gpt(*pair)[1]),
+             (reference["hf_optimizer"], reference["dicts"], lambda batch: hf(**batch).loss)]
+    for _ in range(3):
+        for optimizer, loader, loss_of in forms:
+            for batch in loader:
+                with torch.autocast("cpu", dtype=BF16):
+                    loss = loss_of(batch)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    for name in ("gpt", "hf"):
+        assert all(torch.equal(*pair) for pair in zip(user[name].parameters(), reference[
+            name].parameters())), f"{name} is not trained as the docs' loop trains it"
+    assert re.fullmatch(r"(epoch \d \| nanoGPT's form [\d.]+ \| Hugging Face's form [\d.]+\n){3}",
+                        capsys.readouterr().out)
+
+
 def test_fp16_without_an_enabled_gradscaler_no_steps_or_a_batch_of_0_samples_are_refused():
     model, optimizer, scaler = linear_setup()
     with pytest.raises(ValueError, match=r"needs an enabled torch\.amp\.GradScaler"):
         train(model, [batch_of(4)], optimizer, scaler, FP16)
     with pytest.raises(ValueError, match="accum_steps must be 1 or more, not 0"):
         train(model, [batch_of(4)], optimizer, scaler, accum_steps=0)
+    # The command line's name for a precision is no torch dtype.
+    with pytest.raises(ValueError, match="is torch.bfloat16, torch.float16 or None, not 'bf16'$"):
+        train(model, [batch_of(4)], optimizer, scaler, "bf16")
     empty = (torch.zeros(0, 10), torch.zeros(0, 1))
     with pytest.raises(ValueError, match="a batch of 0 samples has no mean loss"):
         train(model, [batch_of(4), empty], optimizer, scaler)
@@ -205,24 +236,21 @@ def test_fp16_without_an_enabled_gradscaler_no_steps_or_a_batch_of_0_samples_are
     ids=["dict", "tuple inputs", "a tensor"])
 def test_a_batch_that_is_not_a_pair_of_tensors_says_what_it_is_and_points_to_readme(batch, says):
     model, optimizer, scaler = linear_setup()
-    with pytest.raises(TypeError, match=rf"an \(inputs, targets\) pair of tensors, {says} \(.+\): "
-                                        r"see README, 'Other batches'"):
+    with pytest.raises(TypeError, match=rf"pair of tensors, or of a dict of tensors and a tensor, "
+                       rf"{says} \(.+\): see README, 'Models that compute their own loss'$"):
         train(model, [batch], optimizer, scaler)
-    # README's "Other batches" adapts dict batches.
-    inputs, targets = batch_of(16)
-    user = {"loader": [{"input_ids": inputs[i:i + 8], "labels": targets[i:i + 8]} for i in (0, 8)]}
-    exec(re.search(r"### Other batches.*?`(pairs = .*?)`", README, re.S).group(1), user)
-    assert train(model, user["pairs"], optimizer, scaler)["samples"] == 16
 
 
 def test_a_batch_moves_without_waiting_from_pinned_memory_alone(monkeypatch):
     moves, to = [], torch.Tensor.to
     monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking: moves.append(
         non_blocking) or to(self, device))
+    inputs, targets = batch_of(2)
     for pinned in (False, True):
         monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: pinned)
-        amp_train.to_device(batch_of(2), CPU)
-    assert moves == [False, False, True, True], moves
+        for batch in (inputs, targets), ({"input": inputs}, targets):
+            amp_train.to_device(batch, CPU)
+    assert moves == [False] * 4 + [True] * 4, "each tensor moves, and waits unless pinned"
 
 
 def test_a_gradient_left_from_before_never_reaches_a_step():
@@ -376,6 +404,11 @@ def test_evaluate_gives_the_mean_loss_and_accuracy_in_inference_mode_as_training
     assert result == {"loss": pytest.approx(loss, rel=1e-6), "accuracy": pytest.approx(4 / 6),
                       "samples": 6}, result
     assert seen[:2] == [(True, False, BF16)] * 2, f"(inference mode, training, dtype): {seen}"
+    # A model that takes its inputs by keyword, under a loss that has no classes: no accuracy.
+    result = amp_train.evaluate(model, [({"input": inputs}, targets)], lambda outputs, targets:
+                                outputs.sum(), "cpu", None)
+    assert result["loss"] == pytest.approx(model(inputs).sum().item()), result
+    assert math.isnan(result["accuracy"]), result
 
 
 # ---------- precision and device
@@ -450,6 +483,7 @@ def test_on_a_mac_bf16_before_macos_14_and_fp16_before_torch_2_8_end_in_one_line
             amp_train.choose_precision(name, None, None, None, torch.device("mps"))
 
 
+@posix
 @pytest.mark.parametrize("found,ratio,chosen", [
     (["amx_bf16"], 0.37, "bf16"), (["avx512_bf16"], 0.95, "fp32"), (["sve_bf16"], 0.9, "bf16")])
 def test_auto_on_a_cpu_with_bf16_times_3_steps_of_the_run_and_takes_it_if_clearly_faster(
@@ -484,9 +518,11 @@ def test_auto_is_torchs_accelerator_or_the_cpu_and_under_torchrun_process_k_take
 
 
 def test_a_cpus_label_names_the_16_bit_instructions_that_torch_finds_and_proc_cpuinfo_lists():
-    x86 = re.findall(r"^flags\s*:(.*)$", pathlib.Path("/proc/cpuinfo").read_text(), re.M)
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    x86 = re.findall(r"^flags\s*:(.*)$", cpuinfo.read_text() if cpuinfo.exists() else "", re.M)
     # torch 2.6 has no get_capabilities, and finds none. On x86 its names are /proc/cpuinfo's
-    # flags, but ARM names these otherwise: there torch's word stands.
+    # flags. ARM names these otherwise, and macOS and Windows have no /proc/cpuinfo: there
+    # torch's word stands.
     known = getattr(torch.cpu, "get_capabilities", dict)()
     listed = x86[0].split() if x86 else [name for name in known if known[name]]
     expected = [name for name in amp_train.CPU_16BIT if name in listed and name in known]
@@ -743,6 +779,7 @@ def test_the_seed_sets_the_weights_and_the_data_and_epochs_reshuffle_and_crop(sp
     assert not torch.equal(first[0], next(iter(plain))[0]), "not cropped"
 
 
+@posix
 def test_the_lr_falls_tenfold_every_10_epochs_and_a_resume_recomputes_it(monkeypatch, tmp_path,
                                                                          capsys):
     monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 2)
@@ -755,6 +792,7 @@ def test_the_lr_falls_tenfold_every_10_epochs_and_a_resume_recomputes_it(monkeyp
     assert lrs_of(capsys.readouterr().out) == [0.01] * 12, "the linear example's lr falls"
 
 
+@posix
 @pytest.mark.parametrize("precision,broken,status,says", [
     ("fp32", "weight", 1, "the model's weight holds inf/NaN: lower --lr, or look for inf/NaN in "
      "the data"), ("bf16", "weight", 1, "the model's weight holds inf/NaN"),
@@ -941,6 +979,7 @@ def test_each_cell_is_in_the_unit_that_fits_its_value(key, value, shown):
 
 # ---------- the run folder: every write whole, the standard checkpoint, one try to read it
 
+@posix
 def test_each_write_is_fsynced_then_renamed_and_one_that_fails_or_is_stopped_changes_nothing(
         tmp_path, monkeypatch, capsys):
     calls, fsync, replace = [], os.fsync, os.replace
@@ -963,6 +1002,7 @@ def test_each_write_is_fsynced_then_renamed_and_one_that_fails_or_is_stopped_cha
         assert err.endswith(f"; {tmp_path} holds epoch 2\n") and files_of(tmp_path) == before, err
 
 
+@posix
 def test_the_checkpoint_is_the_standard_one_that_plain_torch_loads(tmp_path):
     ok(LINEAR_FP16 + ["--epochs", "2", "--run-dir", str(tmp_path)])
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
@@ -990,6 +1030,7 @@ def adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
+@posix
 @pytest.mark.parametrize("argv,optimizer", [
     (RESNET, None), (LINEAR, None), (LINEAR + ["--precision", "bf16"], None), (LINEAR_FP16, None),
     (LINEAR, adamw), (LINEAR_FP16, adamw)],
@@ -1037,6 +1078,7 @@ class CreatesAFile:
         return pathlib.Path.touch, (pathlib.Path("pwned"),)
 
 
+@posix
 @pytest.mark.parametrize("make", [
     lambda path: torch.save({"x": CreatesAFile()}, path),
     lambda path: path.write_bytes(path.read_bytes()[:200]),
@@ -1070,8 +1112,11 @@ def test_without_fcntl_the_module_imports_and_run_dir_says_in_one_line_what_it_n
     err = run_bad(LINEAR + ["--run-dir", str(tmp_path / "run")], capsys)
     assert "--run-dir locks its folder with fcntl, missing here: use WSL" in err, err
     assert not (tmp_path / "run").exists()
+    # A mistake in the flags is said as on any system.
+    assert "nothing to resume" in run_bad(LINEAR + ["--run-dir", str(tmp_path), "--resume"], capsys)
 
 
+@posix
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_writes_nothing(tmp_path, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
     ok(run + ["--epochs", "2"])
@@ -1084,6 +1129,7 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_writes_nothing(tmp_pa
     ok(run + ["--epochs", "3", "--resume"])
 
 
+@posix
 def test_a_new_run_never_overwrites_a_checkpoint_but_a_restart_of_its_launch_goes_on(
         tmp_path, monkeypatch, capsys):
     run = LINEAR + ["--run-dir", str(tmp_path)]
@@ -1104,6 +1150,7 @@ def test_a_new_run_never_overwrites_a_checkpoint_but_a_restart_of_its_launch_goe
     assert "holds a run: add --resume" in run_bad(run + ["--epochs", "5"], capsys)
 
 
+@posix
 def test_a_resume_goes_on_with_the_checkpoints_flags_but_those_given_again(tmp_path, capsys):
     run = ["--device", "cpu", "--run-dir", str(tmp_path)]
     ok(run + ["--example", "linear", "--epochs", "3", "--lr", "0.002", "--batch-size", "16",
@@ -1170,6 +1217,7 @@ def run_two_processes(argv, out_dir, nan_epoch=None):
     return retry_if_the_port_was_taken(run)
 
 
+@posix
 def test_two_processes_go_on_from_one_each_on_its_share_and_all_stop_when_rank_1_alone_fails(
         tmp_path):
     run = RESNET + ["--max-steps", "1", "--run-dir", str(tmp_path / "run")]
@@ -1189,6 +1237,7 @@ def test_two_processes_go_on_from_one_each_on_its_share_and_all_stop_when_rank_1
         assert record["train_loss"] == pytest.approx(mean), (record, own)
 
 
+@posix
 def test_a_folder_another_run_holds_is_said_once_and_stops_every_process(tmp_path):
     (tmp_path / "run").mkdir()
     with held(tmp_path / "run"):
@@ -1221,6 +1270,7 @@ LAUNCHES = {"standalone": [["--standalone", "--nproc_per_node=2"]],
             "two nodes": [TWO_NODES, TWO_NODES]}
 
 
+@posix
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(launch, tmp_path):
     (tmp_path / "dies.py").write_text(DIES.format(here=str(HERE)))
@@ -1284,7 +1334,8 @@ def test_the_help_gives_every_flag_a_text_and_its_default(capsys):
 
 
 @pytest.mark.parametrize("argv,saved", [
-    (LINEAR + ["--epochs", "5", "--run-dir", "{run}"], "{run} holds epoch 2"),
+    pytest.param(LINEAR + ["--epochs", "5", "--run-dir", "{run}"], "{run} holds epoch 2",
+                 marks=posix),
     (["--device", "cpu", "--example", "memory", "--model", "linear"], "nothing was saved")])
 def test_ctrl_c_ends_in_one_line_that_says_what_was_saved(argv, saved, tmp_path, monkeypatch,
                                                           capsys):
