@@ -15,19 +15,8 @@ what AMP buys on a model of your own. Part II keeps long runs safe, with the run
 torchrun's processes. The command line comes last, with the errors a user can make. A reader
 who came for AMP can stop where Part II begins.
 """
-import argparse
-import contextlib
-import copy
-import gc
-import io
-import itertools
-import json
-import math
-import os
-import platform
-import sys
-import tempfile
-import time
+import argparse, bisect, contextlib, copy, functools, gc, io, itertools, json, math, os
+import platform, sys, tempfile, time
 
 import torch
 import torch.distributed as dist
@@ -54,20 +43,12 @@ AUTO_MAX_RATIO = 0.9
 TIMED_ROUNDS = 3
 # CIFAR-10's mean and standard deviation, by channel.
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-# measure_amp times at most MEMORY_STEPS steps a round, as many as fit in MEMORY_SECONDS.
-MEMORY_STEPS = 20
-MEMORY_SECONDS = 30
-# The autograd nodes of a cast, and of the views that a weight copy may be seen through.
-VIEWS_AND_CASTS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-                   "UnsafeViewBackward0", "ExpandBackward0", "UnsqueezeBackward0",
-                   "SqueezeBackward0", "SqueezeBackward1", "AliasBackward0", "ToCopyBackward0"}
-# The memory table's units, by the last word of a row's name, largest first.
-UNITS = {"bytes": [(2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")],
-         "seconds": [(1e-3, "ms")], "second": [(1, "/s")]}
-# torchvision's googlenet and inception_v3 also return auxiliary logits in training. A plain
-# loss cannot take those. They also warn that their default initialization will change.
-TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
-                                    {"aux_logits": False, "init_weights": True})
+# The autograd nodes of a cast, and of the views that a weight copy may be seen through, by
+# their names before "Backward".
+VIEWS_AND_CASTS = {"T", "Transpose", "Permute", "View", "UnsafeView", "Expand", "Unsqueeze",
+                   "Squeeze", "Alias", "ToCopy"}
+# The memory table's unit for each kind of value, by the last word of a row's name.
+UNITS = {"bytes": (2**20, "MiB"), "seconds": (1e-3, "ms"), "second": (1, "/s")}
 # A long epoch or measurement says how far it got this often, in seconds.
 PROGRESS_SECONDS = 15
 
@@ -93,17 +74,15 @@ def to_device(batch, device):
     other kind of batch is refused, such as a dict, or inputs that are a tuple. So is a batch of
     0 samples, whose mean loss is NaN."""
 
-    # A copy overlaps the device's work only from pinned memory. From pageable memory, MPS may
-    # read the batch after it is freed (pytorch issue 189690), so such copies wait.
-    def move(tensor):
-        return tensor.to(device, non_blocking=tensor.is_pinned())
     try:
         inputs, targets = batch
-        targets = move(targets)
+        # A copy overlaps the device's work only from pinned memory. From pageable memory, MPS
+        # may read the batch after it is freed (pytorch issue 189690), so such copies wait.
+        targets = targets.to(device, non_blocking=targets.is_pinned())
         if isinstance(inputs, dict):
-            inputs = {name: move(tensor) for name, tensor in inputs.items()}
+            inputs = {name: x.to(device, non_blocking=x.is_pinned()) for name, x in inputs.items()}
         else:
-            inputs = move(inputs)
+            inputs = inputs.to(device, non_blocking=inputs.is_pinned())
     except (TypeError, ValueError, AttributeError) as e:
         # e says what failed inside. A tuple of inputs, say, has no .to().
         raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, or of a dict of "
@@ -204,28 +183,26 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
 
 @torch.inference_mode()
 def evaluate(model, loader, criterion, device, amp_dtype):
-    """The mean loss over `loader` of any model that train_epoch trains, under autocast as in
-    training. With an nn.CrossEntropyLoss, whose outputs are class logits and whose targets are
-    class indices, it gives the accuracy too. Under any other criterion the accuracy is NaN, as
-    it is for an empty loader. Returns {"loss", "accuracy", "samples"}."""
+    """The mean loss and accuracy of a classifier over `loader`, under autocast as in training.
+
+    It is the resnet example's test pass. model(inputs) returns class logits, one row a sample,
+    and targets hold class indices, as nn.CrossEntropyLoss takes them. A model that computes
+    its own loss has no class logits here: README shows its test pass. Returns {"loss",
+    "accuracy", "samples"}. An empty loader gives NaN for loss and accuracy.
+    """
     device = torch.device(device)
     model.eval()
-    classifier = isinstance(criterion, torch.nn.CrossEntropyLoss)
-    # The loss and the right answers are summed on the device, and read once at the end.
+    # The loss and the correct answers are summed on the device, and read once at the end.
     sums = torch.zeros(2, device=device)
     samples = 0
     for batch in loader:
         inputs, targets = to_device(batch, device)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
-            outputs = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+            outputs = model(inputs)
             sums[0] += criterion(outputs, targets).float() * len(targets)
-        # Class logits are along dimension 1, as cross_entropy takes them.
-        if classifier:
-            sums[1] += (outputs.argmax(dim=1) == targets).float().mean() * len(targets)
+        sums[1] += (outputs.argmax(dim=1) == targets).sum()
         samples += len(targets)
     loss, accuracy = (sums / samples).tolist()
-    if not classifier:
-        accuracy = float("nan")
     return {"loss": loss, "accuracy": accuracy, "samples": samples}
 
 
@@ -264,9 +241,8 @@ def native_16bit(device):
     # MPS emulates neither, so its list is what trains at all. Before macOS 14 autocast turns
     # bf16 off, and before torch 2.8 fp16's GradScaler has no MPS kernels.
     if device.type == "mps":
-        trains = {"bf16": torch.backends.mps.is_macos_or_newer(14, 0),
-                  "fp16": torch.__version__ >= "2.8"}
-        return [bits for bits in trains if trains[bits]]
+        return [bits for bits, ok in [("bf16", torch.backends.mps.is_macos_or_newer(14, 0)),
+                                      ("fp16", torch.__version__ >= "2.8")] if ok]
     if device.type == "xpu":
         return ["bf16", "fp16"]
     return list(dict.fromkeys(cpu_16bit().values()))
@@ -363,7 +339,7 @@ def image_classifier(name):
     if name not in models.list_models(module=models):
         raise UsageError(f"--model {name} is not a model the memory example knows: see --help")
     side = min(weight.transforms.keywords["crop_size"] for weight in models.get_model_weights(name))
-    return models.get_model(name, num_classes=10, **TORCHVISION_OPTIONS.get(name, {})), side
+    return models.get_model(name, num_classes=10), side
 
 
 class DeviceLoader:
@@ -531,8 +507,8 @@ def train_example(args, device, folder, state, notes):
     flags = {key: getattr(args, key) for key in RUN_FLAGS}
     print0(f"amp_train | example {args.example} | torch {torch.__version__} | device "
            f"{device_label(device)} | precision {args.precision} | data {data} | batch "
-           f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
-           f"{args.epochs}", *precision_notes, *notes)
+           f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | "
+           f"epochs {args.epochs}", *precision_notes, *notes)
     # DDP averages the gradients in backward. So every process's scaler sees the same ones,
     # and skips the same steps.
     model = raw_model
@@ -546,7 +522,7 @@ def train_example(args, device, folder, state, notes):
         objects["scheduler"].step()
         print0(epoch_line(record, args.epochs))
         metrics.append(json.dumps(record) + "\n")
-        problem = epoch_problem(record, raw_model)
+        problem = epoch_problem(record, raw_model, train_loader, criterion, device)
         # The checkpoint keeps the last sound epoch. The metrics show this one too.
         folder.save(objects, flags, metrics, checkpoint=problem is None)
         if problem is not None:
@@ -595,8 +571,9 @@ def progress(items, label, log):
             log(f"  {label} {done}/{len(items)} | {(last - start) / done:.3f} s each")
 
 
-def epoch_problem(record, model):
-    """Why training cannot go on after this epoch, and what to try; or None."""
+def epoch_problem(record, model, loader, criterion, device):
+    """Why training cannot go on after this epoch, and what to try; or None. In fp16 it also
+    says where fp16 overflows on a batch of `loader`, if it does."""
     tensors = model.state_dict()
     finite = torch.stack([t.isfinite().all() for t in tensors.values()]).int()
     # Every process decides alike. BatchNorm's statistics differ between processes until DDP's
@@ -605,18 +582,23 @@ def epoch_problem(record, model):
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     # One host sync for all the model's tensors.
     finite = finite.tolist()
-    # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated. bf16
-    # and fp32 have no scaler to skip a step, so an inf or NaN loss makes NaN weights.
-    if not all(finite):
-        return (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
-                "or look for inf/NaN in the data")
+    problem = None
     # In fp16 the scaler skipped the steps whose gradients held inf or NaN, and halved its
     # scale each time. Far under 1, no scale makes them finite. Then the inf or NaN comes from
     # the forward pass, or from the data.
     if record["loss_scale"] < 2.0**-16:
-        return (f"the loss scale fell to {record['loss_scale']:g}: fp16 overflows in the "
-                "forward pass, or the data holds inf/NaN; try --precision bf16")
-    return None
+        problem = (f"the loss scale fell to {record['loss_scale']:g}, as fp16 overflows in the "
+                   "forward pass or the data holds inf/NaN")
+    # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated. bf16
+    # and fp32 have no scaler to skip a step, so an inf or NaN loss makes NaN weights.
+    if not all(finite):
+        problem = (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
+                   "or look for inf/NaN in the data")
+    # One fp32 pass says where fp16 overflows, which no loss scale mends. It runs only now.
+    if problem is not None and record["precision"] == "fp16":
+        verdict = fp16_range(model, next(iter(loader)), criterion, device)["verdict"]
+        problem += f"; on a training batch, {verdict}; or try --precision bf16"
+    return problem
 
 
 def epoch_line(record, epochs):
@@ -640,16 +622,15 @@ def count_saved_tensors(model):
 
     def pack(tensor):
         # Back through views and casts to where the tensor began. Linear saves its weight copy
-        # transposed, and a tied head uses weight.T. A weight copy passed a cast, and began at
-        # a weight. A tensor made from a weight, such as an embedding's output, is no copy.
-        node, cast = tensor.grad_fn, False
-        while type(node).__name__ in VIEWS_AND_CASTS:
-            cast |= type(node).__name__ == "ToCopyBackward0"
+        # transposed, and a tied head uses weight.T. A tensor that began at a weight is a copy
+        # of it, or a view that shares the weight's storage, which is dropped below. A tensor
+        # made from a weight, such as an embedding's output, is no copy.
+        node = tensor.grad_fn
+        while type(node).__name__.split("Backward")[0] in VIEWS_AND_CASTS:
             node = node.next_functions[0][0]
-        copied = cast and isinstance(getattr(node, "variable", None), nn.Parameter)
+        copied = isinstance(getattr(node, "variable", None), nn.Parameter)
         # The storage is kept to the end of the block: no later pass reuses its address.
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage, copied
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage(), copied
         return tensor
 
     counts = {"activation_bytes": 0, "weight_copy_bytes": 0}
@@ -660,6 +641,57 @@ def count_saved_tensors(model):
         saved.pop(weight.untyped_storage().data_ptr(), None)
     for storage, copied in saved.values():
         counts[["activation_bytes", "weight_copy_bytes"][copied]] += storage.nbytes()
+
+
+def fp16_range(model, batch, criterion, device):
+    """fp16's range on `model`, from one fp32 forward and backward pass of a copy of it on
+    `batch`. Nothing is trained. The figures are casts of fp32 values, so every device gives
+    the same ones. They cover the modules that have no submodules, by their names in
+    named_modules(), and those of their outputs that autograd tracks.
+
+    Returns a dict. "largest" is the largest magnitude among those outputs, and
+    "largest_module" holds it. "overflows" lists the modules whose outputs cast to fp16 hold
+    inf, in forward order. "flushed" is the share of the nonzero gradients that reach those
+    outputs that a cast to fp16 makes zero. "flushed_scaled" is that share once they are
+    multiplied by the GradScaler's first scale, 2**16. "verdict" says what fp16 makes of the
+    model, and what to do.
+    """
+    model, outputs, gradients = copy.deepcopy(model).to(device), [], {}
+
+    def record(name, module, inputs, output):
+        # A tuple, or a tensor that autograd does not track, has no grad_fn. A module with
+        # submodules returns what they made.
+        if getattr(output, "grad_fn", None) is not None and not list(module.children()):
+            # The node that made the output hears the gradient that reaches it, even where an
+            # in-place op such as ReLU's changes the output later. An output that two modules
+            # return, as an Identity does, keeps one gradient.
+            node, index, output = output.grad_fn, output.output_nr, output.detach()
+            outputs.append((name, output.abs().max(), output.half().isinf().any()))
+
+            def keep(grad_inputs, grad_outputs):
+                gradients[node, index] = grad_outputs[index]
+            node.register_hook(keep)
+    # Names start with the model's class, which names a model that is one layer.
+    for name, module in model.named_modules(prefix=type(model).__name__):
+        module.register_forward_hook(functools.partial(record, name))
+    train_epoch(model, [batch], torch.optim.SGD(model.parameters(), lr=0), criterion, None,
+                device, None)
+    names, largest, overflows = zip(*outputs)
+    largest, overflows = torch.stack(largest).tolist(), torch.stack(overflows).tolist()
+    # The gradients that are not zero in fp32, and those that stay so when cast to fp16, as
+    # they are and scaled. A cast to fp16 makes no zero of a value that fp32 holds as zero.
+    counts = sum(torch.stack([gradient.count_nonzero(), gradient.half().count_nonzero(),
+                              (gradient * 2**16).half().count_nonzero()])
+                 for gradient in filter(torch.is_tensor, gradients.values()))
+    nonzero, kept, kept_scaled = counts.tolist()
+    overflows = list(dict.fromkeys(itertools.compress(names, overflows)))
+    verdict = "fp16 holds every module's output"
+    if overflows:
+        verdict = (f"fp16 overflows first in {overflows[0]}: keep that module in fp32 (README, "
+                   "'What AMP buys on your model')")
+    return {"largest": max(largest), "largest_module": names[largest.index(max(largest))],
+            "overflows": overflows, "flushed": 1 - kept / nonzero,
+            "flushed_scaled": 1 - kept_scaled / nonzero, "verdict": verdict}
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log):
@@ -695,12 +727,11 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
         measured["peak_bytes"] = memory.max_memory_allocated(device)
     # The middle round's steps.
     median = sorted(timed)[len(timed) // 2]
-    return {**measured, "median_step_seconds": median, "fastest_step_seconds": min(timed),
-            "samples_per_second": len(batch[1]) / median}
+    return {**measured, "median_step_seconds": median, "samples_per_second": len(batch[1]) / median}
 
 
-def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps=MEMORY_STEPS,
-                seconds=MEMORY_SECONDS, name="model", log=print):
+def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps=20, seconds=30,
+                name="model", log=print):
     """What AMP buys on `model`, measured side by side. Copies of it train on one batch of
     inputs and targets, in fp32 and with amp_dtype. amp_dtype is torch.bfloat16 or
     torch.float16, as train_epoch takes it. Each precision takes up to 3 warm-up steps. Then
@@ -708,16 +739,16 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     log() hears when each precision starts, how many steps it times, and how far slow ones got.
 
     Returns a dict with "fp32" and "bf16" or "fp16". Each holds the bytes that autograd saved
-    for backward, as activations and as autocast's weight copies. Each holds the step times,
-    the samples per second, and on CUDA and XPU the peak memory. The labels that amp_report
-    prints come too.
+    for backward, as activations and as autocast's weight copies. Each holds the median step's
+    time, the samples per second, and on CUDA and XPU the peak memory. "fp16_range" holds what
+    fp16_range found before any step. The labels that amp_report prints come too.
     """
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(amp_dtype)
     if precision is None:
         raise ValueError(f"measure_amp takes torch.bfloat16 or torch.float16, not {amp_dtype!r}")
     device = torch.device(device)
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
-                "precision": precision}
+                "precision": precision, "fp16_range": fp16_range(model, batch, criterion, device)}
     for label in ("fp32", precision):
         log(f"measuring {label}")
         measured[label] = measure_training(model, batch, criterion, device, PRECISIONS[label],
@@ -726,42 +757,40 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
 
 
 def amp_report(measured):
-    """measure_amp's result as lines. fp32 and AMP stand side by side, with their ratio. The
-    last line is a verdict to paste into a bug report."""
+    """measure_amp's result as lines. fp32 and AMP stand side by side, with their ratio. fp16's
+    range follows. The last line is a verdict to paste into a bug report."""
     name = measured["precision"]
     fp32, amp = measured["fp32"], measured[name]
-    lines = [f"{'':<22}{'fp32':>14}{name:>14}{name + '/fp32':>12}"]
+    lines = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"]
     for key in fp32:
         ratio = "n/a"
         if fp32[key]:
             ratio = f"{amp[key] / fp32[key]:.2f}"
-        lines.append(f"{key:<22}{cell(key, fp32[key]):>14}{cell(key, amp[key]):>14}{ratio:>12}")
+        lines.append(f"{key:<22}{cell(key, fp32[key]):>16}{cell(key, amp[key]):>16}{ratio:>12}")
     step = amp["median_step_seconds"] / fp32["median_step_seconds"]
     # What autograd saves in all. AMP halves the activations, and adds its weight copies, of
     # which fp32 makes none.
     memory = (amp["activation_bytes"] + amp["weight_copy_bytes"]) / fp32["activation_bytes"]
-    # Within the run's own spread, or 5%, the two are as fast as each other. The spread is how
-    # much slower the median step is than the fastest, in either precision. One slow step is
-    # common on a shared machine, and a slow median moves the verdict.
-    band = max(fp32["median_step_seconds"] / fp32["fastest_step_seconds"] - 1,
-               amp["median_step_seconds"] / amp["fastest_step_seconds"] - 1, 0.05)
-    speed = "about as fast as fp32"
-    if step < 1 - band:
-        speed = "faster"
-    if step > 1 + band:
-        speed = "slower"
-    lines.append(f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}"
-                 f", torch {torch.__version__}: {name} steps take {step:.2f}x fp32's time, "
-                 f"{memory:.2f}x its memory saved for backward; AMP is {speed} here")
-    return lines
+    # Within 5% of fp32's time, the two are as fast as each other: a shared machine's steps
+    # vary that much. bisect finds the band that the ratio falls in.
+    speed = ["faster", "about as fast as fp32", "slower"][bisect.bisect([0.95, 1.05], step)]
+    fp16, overflows = measured["fp16_range"], measured["fp16_range"]["overflows"]
+    return lines + [
+        "fp16's range, from one pass in fp32, so a CPU gives about what a GPU would:",
+        f"  largest output {fp16['largest']:.4g} in {fp16['largest_module']}; headroom to fp16's "
+        f"65504: {65504 / fp16['largest']:.1f}x", f"  modules past fp16's range: {len(overflows)}"
+        f", the first {overflows[:3]}", f"  nonzero gradients that fp16 makes zero: "
+        f"{fp16['flushed']:.2%} as they are, {fp16['flushed_scaled']:.2%} scaled by 2**16",
+        "  bf16 has fp32's range, so none of this binds it", f"verdict: {measured['name']}, batch "
+        f"{measured['batch']}, {measured['device']}, torch {torch.__version__}: {name} steps take "
+        f"{step:.2f}x fp32's time, {memory:.2f}x its memory saved for backward; AMP is {speed} "
+        f"here; {fp16['verdict']}"]
 
 
 def cell(key, value):
-    """A value of amp_report's table in the largest unit that shows it as 1 or more, or the
-    smallest."""
-    units = UNITS[key.rsplit("_", 1)[1]]
-    scale, unit = next((unit for unit in units if value >= unit[0]), units[-1])
-    return f"{value / scale:.2f} {unit}"
+    """A value of amp_report's table in the unit of its kind, to 6 significant digits."""
+    scale, unit = UNITS[key.rsplit("_", 1)[1]]
+    return f"{value / scale:.6g} {unit}"
 
 
 def run_memory(args, device, notes):
@@ -987,11 +1016,9 @@ def join_processes(device):
         # The device's own backend: gloo for a CPU, NCCL for CUDA, XCCL for XPU. Without one,
         # torch takes the backend of the accelerator it finds, which cannot serve a CPU run.
         # device_id binds NCCL to this process's GPU. torch 2.6 takes it for CUDA alone.
-        device_id = None
-        if device.type == "cuda":
-            device_id = device
         dist.init_process_group(dist.get_default_backend_for_device(device), store=store,
-                                rank=process_rank, world_size=processes, device_id=device_id)
+                                rank=process_rank, world_size=processes,
+                                device_id={"cuda": device}.get(device.type))
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return f"{platform.node()}:{os.getpid()}:{time.time()}"
     return f"{platform.node()}:{os.getppid()}"
@@ -1086,7 +1113,7 @@ def parse_args(argv, state):
         name, examples = key.replace("_", "-"), FLAG_EXAMPLES.get(key, EXAMPLES)
         if value is not None and args.example not in examples:
             raise UsageError(f"--{name} is for --example {' and '.join(examples)}")
-        if key in saved and value not in (None, saved[key]):
+        if value not in (None, saved.get(key, value)):
             notes.append(f"note: --{name} {value} replaces the checkpoint's {saved[key]}")
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir DIR")
