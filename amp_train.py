@@ -11,9 +11,9 @@ the baseline, and AMP trains in bf16, or in fp16 with a GradScaler.
     torchrun --nproc_per_node=2 amp_train.py --example resnet         # several GPUs, DDP
 
 Part I is the AMP lesson. train_epoch, first below, is the part to copy. measure_amp measures
-what AMP buys on a model of your own. Part II keeps long runs safe, with the run folder and
-torchrun's processes. The command line comes last, with the errors a user can make. A reader
-who came for AMP can stop where Part II begins.
+what AMP buys on a model of your own, and what fp16 risks there. Part II keeps long runs safe,
+with the run folder and torchrun's processes. The command line comes last, with the errors a
+user can make. A reader who came for AMP can stop where Part II begins.
 """
 import argparse, bisect, contextlib, copy, functools, gc, io, itertools, json, math, os
 import platform, sys, tempfile, time
@@ -71,8 +71,8 @@ def to_device(batch, device):
     """A batch's (inputs, targets), moved to `device`. inputs are a tensor, or a dict of tensors
     that the model takes as keyword arguments, as Hugging Face's models do. targets are a tensor
     with a row a sample. With device None nothing moves, and the batch is only checked. Any
-    other kind of batch is refused, such as a dict, or inputs that are a tuple. So is a batch of
-    0 samples, whose mean loss is NaN."""
+    other batch is refused, such as one dict of everything, or inputs that are a tuple. So is a
+    batch of 0 samples, whose mean loss is NaN."""
 
     try:
         inputs, targets = batch
@@ -298,7 +298,7 @@ def choose_precision(name, model, batch, criterion, device):
         precision = auto_amp(device) or "fp32"
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
         # A CPU's bf16 is timed first.
-        if device.type == "cpu" and precision == "bf16":
+        if (device.type, precision) == ("cpu", "bf16"):
             timed = measure_amp(model, batch, criterion, device, torch.bfloat16, 1, math.inf,
                                 log=print0)
             ratio = timed["bf16"]["median_step_seconds"] / timed["fp32"]["median_step_seconds"]
@@ -1083,12 +1083,9 @@ def make_parser():
     add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
         help="the gradients' largest norm; 0: off")
     add("--accum-steps", default=1, type=count, help="micro-batches per optimizer step")
-    # These two have no default to show. The formatter adds "(default: ...)" to any help
-    # without "%(default)", so theirs holds "%(default).0s", which prints as nothing.
-    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each "
-        "epoch%(default).0s")
+    add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each epoch")
     add("--resume", action="store_true",
-        help="go on with --run-dir's run, with its flags unless given again%(default).0s")
+        help="go on with --run-dir's run, with its flags unless given again")
     add("--model", default="resnet18", help="memory's: linear, resnet18 (the CIFAR stem, at "
         "32x32), resnet18-imagenet (the post's stem), or one of torchvision's classification "
         "models, at the size its weights state")
