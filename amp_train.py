@@ -666,7 +666,7 @@ def fp16_range(model, batch, criterion, device):
             # in-place op such as ReLU's changes the output later. An output that two modules
             # return, as an Identity does, keeps one gradient.
             node, index, output = output.grad_fn, output.output_nr, output.detach()
-            outputs.append((name, output.abs().max(), output.half().isinf().any()))
+            outputs.append((name, output.abs().max(), output.to(torch.float16).isinf().any()))
 
             def keep(grad_inputs, grad_outputs):
                 gradients[node, index] = grad_outputs[index]
@@ -680,8 +680,8 @@ def fp16_range(model, batch, criterion, device):
     largest, overflows = torch.stack(largest).tolist(), torch.stack(overflows).tolist()
     # The gradients that are not zero in fp32, and those that stay so when cast to fp16, as
     # they are and scaled. A cast to fp16 makes no zero of a value that fp32 holds as zero.
-    counts = sum(torch.stack([gradient.count_nonzero(), gradient.half().count_nonzero(),
-                              (gradient * 2**16).half().count_nonzero()])
+    counts = sum(torch.stack([gradient.count_nonzero(), gradient.to(torch.float16).count_nonzero(),
+                              (gradient * 2**16).to(torch.float16).count_nonzero()])
                  for gradient in filter(torch.is_tensor, gradients.values()))
     nonzero, kept, kept_scaled = counts.tolist()
     overflows = list(dict.fromkeys(itertools.compress(names, overflows)))

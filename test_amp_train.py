@@ -874,7 +874,7 @@ def test_fp16s_range_names_the_first_module_past_it_and_counts_what_fp16_makes_z
         layer.register_forward_hook(lambda m, i, out: out.retain_grad() or kept.append(out))
     criterion(copy(batch[0]), batch[1]).backward()
     gradients = torch.cat([out.grad[out.grad != 0] for out in kept])
-    counted = [(gradients * s).half().eq(0).float().mean().item() for s in (1, 2**16)]
+    counted = [(gradients * s).to(FP16).eq(0).float().mean().item() for s in (1, 2**16)]
     assert [found["flushed"], found["flushed_scaled"]] == pytest.approx(counted), counted
     assert found["overflows"] == [] and found["flushed"] > 0.5 > found["flushed_scaled"], found
     assert found["verdict"] == "fp16 holds every module's output", found
