@@ -47,6 +47,10 @@ CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 # their names before "Backward".
 VIEWS_AND_CASTS = {"T", "Transpose", "Permute", "View", "UnsafeView", "Expand", "Unsqueeze",
                    "Squeeze", "Alias", "ToCopy"}
+# torchvision's googlenet and inception_v3 also return auxiliary logits in training. A plain
+# loss cannot take those. They also warn that their default initialization will change.
+TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
+                                    {"aux_logits": False, "init_weights": True})
 # The memory table's unit for each kind of value, by the last word of a row's name.
 UNITS = {"bytes": (2**20, "MiB"), "seconds": (1e-3, "ms"), "second": (1, "/s")}
 # A long epoch or measurement says how far it got this often, in seconds.
@@ -339,7 +343,7 @@ def image_classifier(name):
     if name not in models.list_models(module=models):
         raise UsageError(f"--model {name} is not a model the memory example knows: see --help")
     side = min(weight.transforms.keywords["crop_size"] for weight in models.get_model_weights(name))
-    return models.get_model(name, num_classes=10), side
+    return models.get_model(name, num_classes=10, **TORCHVISION_OPTIONS.get(name, {})), side
 
 
 class DeviceLoader:
@@ -587,8 +591,7 @@ def epoch_problem(record, model, loader, criterion, device):
     # scale each time. Far under 1, no scale makes them finite. Then the inf or NaN comes from
     # the forward pass, or from the data.
     if record["loss_scale"] < 2.0**-16:
-        problem = (f"the loss scale fell to {record['loss_scale']:g}, as fp16 overflows in the "
-                   "forward pass or the data holds inf/NaN")
+        problem = f"fp16's loss scale fell to {record['loss_scale']:g}: inf/NaN in model or data"
     # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated. bf16
     # and fp32 have no scaler to skip a step, so an inf or NaN loss makes NaN weights.
     if not all(finite):
