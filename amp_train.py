@@ -191,7 +191,7 @@ def evaluate(model, loader, criterion, device, amp_dtype):
 
     It is the resnet example's test pass. model(inputs) returns class logits, one row a sample,
     and targets hold class indices, as nn.CrossEntropyLoss takes them. A model that computes
-    its own loss has no class logits here: README shows its test pass. Returns {"loss",
+    its own loss has no class logits: README says how to test it. Returns {"loss",
     "accuracy", "samples"}. An empty loader gives NaN for loss and accuracy.
     """
     device = torch.device(device)
@@ -242,11 +242,11 @@ def native_16bit(device):
     if device.type == "cuda":
         # Tensor cores compute fp16 from compute capability 7.0 (Volta), and bf16 from 8.0.
         return CUDA_16BIT.get(min(torch.cuda.get_device_capability(device)[0], 8), [])
-    # MPS emulates neither, so its list is what trains at all. Before macOS 14 autocast turns
-    # bf16 off, and before torch 2.8 fp16's GradScaler has no MPS kernels.
+    # MPS emulates neither, so its list is what trains at all: bf16 from macOS 14 on, where
+    # autocast takes it. fp16 needs the GradScaler. Its kernels came to MPS in torch 2.8, and
+    # MPS's fused optimizers ignored its scale and inf check until 2026 (pytorch PR 186360).
     if device.type == "mps":
-        return [bits for bits, ok in [("bf16", torch.backends.mps.is_macos_or_newer(14, 0)),
-                                      ("fp16", torch.__version__ >= "2.8")] if ok]
+        return ["bf16"] * torch.backends.mps.is_macos_or_newer(14, 0)
     if device.type == "xpu":
         return ["bf16", "fp16"]
     return list(dict.fromkeys(cpu_16bit().values()))
@@ -285,9 +285,9 @@ def choose_precision(name, model, batch, criterion, device):
     """The precision to train in, and the notes that say why. A precision that the device does
     not compute natively trains with a note, but on MPS, where it cannot train at all. "auto"
     takes bf16 where it is native, since it needs no GradScaler. It takes fp16 next, but on
-    CUDA alone. MPS's GradScaler came in torch 2.8, and had bugs after it. XPU's unscale_()
-    computes in fp64, which Intel's Arc GPUs lack. Clipping calls it, and so does step() with
-    an optimizer that is not fused. A CPU's bf16 must earn its place first. Its steps on the
+    CUDA alone. XPU's unscale_() computes in fp64, which Intel's Arc GPUs lack. Clipping calls
+    it, and so does step() with an optimizer that is not fused. A CPU's bf16 must earn its
+    place first. Its steps on the
     run's model and first batch are timed against fp32's. It is taken if they take at most
     AUTO_MAX_RATIO of fp32's time. Under torchrun every process takes rank 0's choice, on every
     path."""
@@ -296,8 +296,8 @@ def choose_precision(name, model, batch, criterion, device):
         notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
         # MPS emulates neither. It would train in fp32 or fail, under a header that says 16 bits.
         if device.type == "mps":
-            raise UsageError(f"{name} does not train on mps here: bf16 needs macOS 14, and fp16 "
-                             f"torch 2.8; use one of {[*native, 'fp32']}")
+            raise UsageError(f"{name} does not train on mps here (README's table): use one of "
+                             f"{[*native, 'fp32']}")
     if name == "auto":
         precision = auto_amp(device) or "fp32"
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
@@ -370,7 +370,7 @@ class DeviceLoader:
 
     def __iter__(self):
         # Each seed and epoch make one 32-bit seed, since a CPU generator keeps 32 bits. Seeds
-        # a million apart never meet while the epochs stay under a million.
+        # under 4,295 apart never share an order while the epochs stay under a million.
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32
         order = torch.arange(len(self.targets))
         if self.shuffle:
@@ -648,9 +648,10 @@ def count_saved_tensors(model):
 
 def fp16_range(model, batch, criterion, device):
     """fp16's range on `model`, from one fp32 forward and backward pass of a copy of it on
-    `batch`. Nothing is trained. The figures are casts of fp32 values, so every device gives
-    the same ones. They cover the modules that have no submodules, by their names in
-    named_modules(), and those of their outputs that autograd tracks.
+    `batch`. Nothing is trained. The figures are casts of fp32 values, so a CPU gives about the
+    ones that a GPU would, whose fp32 may be TF32. They cover the modules that have no
+    submodules, by their names in named_modules(), and those of their outputs that autograd
+    tracks.
 
     Returns a dict. "largest" is the largest magnitude among those outputs, and
     "largest_module" holds it. "overflows" lists the modules whose outputs cast to fp16 hold
@@ -662,8 +663,9 @@ def fp16_range(model, batch, criterion, device):
     model, outputs, gradients = copy.deepcopy(model).to(device), [], {}
 
     def record(name, module, inputs, output):
-        # A tuple, or a tensor that autograd does not track, has no grad_fn. A module with
-        # submodules returns what they made.
+        # A recurrent layer returns its output first in a tuple. A tensor that autograd does not
+        # track has no grad_fn, and a module with submodules returns what they made.
+        output = output[0] if isinstance(output, tuple) else output
         if getattr(output, "grad_fn", None) is not None and not list(module.children()):
             # The node that made the output hears the gradient that reaches it, even where an
             # in-place op such as ReLU's changes the output later. An output that two modules
@@ -688,10 +690,9 @@ def fp16_range(model, batch, criterion, device):
                  for gradient in filter(torch.is_tensor, gradients.values()))
     nonzero, kept, kept_scaled = counts.tolist()
     overflows = list(dict.fromkeys(itertools.compress(names, overflows)))
-    verdict = "fp16 holds every module's output"
+    verdict = "no module's output overflows fp16"
     if overflows:
-        verdict = (f"fp16 overflows first in {overflows[0]}: keep that module in fp32 (README, "
-                   "'What AMP buys on your model')")
+        verdict = f"fp16 overflows first in {overflows[0]}: keep that module in fp32 (README)"
     return {"largest": max(largest), "largest_module": names[largest.index(max(largest))],
             "overflows": overflows, "flushed": 1 - kept / nonzero,
             "flushed_scaled": 1 - kept_scaled / nonzero, "verdict": verdict}
@@ -1129,8 +1130,8 @@ def main(argv):
     try:
         args, _ = parse_args(argv, {})
         device = resolve_device(args.device)
-        # The examples' shapes never change. So cuDNN may time each convolution's algorithms
-        # once, and keep the fastest, for fp32 and AMP alike.
+        # The examples' batches keep their shape, but for a smaller last test batch. So cuDNN
+        # may time each convolution's algorithms once, and keep the fastest, for fp32 and AMP.
         torch.backends.cudnn.benchmark = True
         # torchrun's processes meet first. Rank 0 opens the folder, and all go on from its
         # checkpoint.
