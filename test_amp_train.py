@@ -785,8 +785,8 @@ def test_a_run_that_cannot_go_on_stops_and_keeps_its_last_sound_epoch(
     assert status == 0 or err == f"error: epoch 2: {says}; {run_dir} holds epoch 1\n", err
 
 
-def test_a_loss_scale_that_collapses_stops_the_run_and_points_to_the_forward_pass(monkeypatch,
-                                                                                 capsys):
+def test_a_loss_scale_that_collapses_stops_the_run_and_names_the_module_past_fp16s_range(
+        monkeypatch, capsys):
     monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler,
                                                                   growth_interval=1))
     assert amp_train.main(LINEAR_FP16 + ["--epochs", "100", "--lr", "1e38"]) == 1
