@@ -287,10 +287,9 @@ def choose_precision(name, model, batch, criterion, device):
     takes bf16 where it is native, since it needs no GradScaler. It takes fp16 next, but on
     CUDA alone. XPU's unscale_() computes in fp64, which Intel's Arc GPUs lack. Clipping calls
     it, and so does step() with an optimizer that is not fused. A CPU's bf16 must earn its
-    place first. Its steps on the
-    run's model and first batch are timed against fp32's. It is taken if they take at most
-    AUTO_MAX_RATIO of fp32's time. Under torchrun every process takes rank 0's choice, on every
-    path."""
+    place first. Its steps on the run's model and first batch are timed against fp32's. It is
+    taken if they take at most AUTO_MAX_RATIO of fp32's time. Under torchrun every process
+    takes rank 0's choice, on every path."""
     precision, native, notes = name, native_16bit(device), []
     if name not in [*native, "fp32", "auto"]:
         notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
@@ -782,13 +781,14 @@ def amp_report(measured):
     return lines + [
         "fp16's range, from one pass in fp32, so a CPU gives about what a GPU would:",
         f"  largest output {fp16['largest']:.4g} in {fp16['largest_module']}; headroom to fp16's "
-        f"65504: {65504 / fp16['largest']:.1f}x", f"  modules past fp16's range: {len(overflows)}"
-        f", the first {overflows[:3]}", f"  nonzero gradients that fp16 makes zero: "
-        f"{fp16['flushed']:.2%} as they are, {fp16['flushed_scaled']:.2%} scaled by 2**16",
-        "  bf16 has fp32's range, so none of this binds it", f"verdict: {measured['name']}, batch "
-        f"{measured['batch']}, {measured['device']}, torch {torch.__version__}: {name} steps take "
-        f"{step:.2f}x fp32's time, {memory:.2f}x its memory saved for backward; AMP is {speed} "
-        f"here; {fp16['verdict']}"]
+        f"65504: {65504 / fp16['largest']:.1f}x",
+        f"  modules past fp16's range: {len(overflows)}, the first {overflows[:3]}",
+        f"  nonzero gradients that fp16 makes zero: {fp16['flushed']:.2%} as they are, "
+        f"{fp16['flushed_scaled']:.2%} scaled by 2**16",
+        "  bf16 has fp32's range, so none of this binds it",
+        f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}, torch "
+        f"{torch.__version__}: {name} steps take {step:.2f}x fp32's time, {memory:.2f}x its "
+        f"memory saved for backward; AMP is {speed} here; {fp16['verdict']}"]
 
 
 def cell(key, value):
