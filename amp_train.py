@@ -17,10 +17,15 @@ user can make. A reader who came for AMP can stop where Part II begins.
 """
 import argparse, bisect, contextlib, copy, functools, gc, io, itertools, json, math, os
 import platform, sys, tempfile, time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+# A dispatch mode sees each op below autocast and autograd, with its dtypes. torch has no
+# public name for it, nor for pytree, which walks an op's nested arguments.
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The post's settings are SGD with lr 0.01, batch 128, StepLR(10, 0.1) and 100 epochs. Its
 # linear program keeps its lr fixed, and so does the linear example.
@@ -52,7 +57,7 @@ VIEWS_AND_CASTS = {"T", "Transpose", "Permute", "View", "UnsafeView", "Expand", 
 TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
                                     {"aux_logits": False, "init_weights": True})
 # The memory table's unit for each kind of value, by the last word of a row's name.
-UNITS = {"bytes": (2**20, "MiB"), "seconds": (1e-3, "ms"), "second": (1, "/s")}
+UNITS = {"bytes": (2**20, "MiB", 2), "seconds": (1e-3, "ms", 3), "second": (1, "/s", 0)}
 # A long epoch or measurement says how far it got this often, in seconds.
 PROGRESS_SECONDS = 15
 
@@ -72,29 +77,33 @@ RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip
 # ---------- the part to copy: train_epoch, its companion to_device, and evaluate
 
 def to_device(batch, device):
-    """A batch's (inputs, targets), moved to `device`. inputs are a tensor, or a dict of tensors
-    that the model takes as keyword arguments, as Hugging Face's models do. targets are a tensor
-    with a row a sample. With device None nothing moves, and the batch is only checked. Any
-    other batch is refused, such as one dict of everything, or inputs that are a tuple. So is a
-    batch of 0 samples, whose mean loss is NaN."""
-
-    try:
-        inputs, targets = batch
-        # A copy overlaps the device's work only from pinned memory. From pageable memory, MPS
-        # may read the batch after it is freed (pytorch issue 189690), so such copies wait.
-        targets = targets.to(device, non_blocking=targets.is_pinned())
-        if isinstance(inputs, dict):
-            inputs = {name: x.to(device, non_blocking=x.is_pinned()) for name, x in inputs.items()}
-        else:
-            inputs = inputs.to(device, non_blocking=inputs.is_pinned())
-    except (TypeError, ValueError, AttributeError) as e:
-        # e says what failed inside. A tuple of inputs, say, has no .to().
-        raise TypeError(f"a batch must be an (inputs, targets) pair of tensors, or of a dict of "
-                        f"tensors and a tensor, not a {type(batch).__name__} ({e}): see README, "
-                        "'Models that compute their own loss'")
+    """A batch's (inputs, targets), moved to `device`. inputs are a tensor, or a mapping of
+    tensors that the model takes as keyword arguments, such as Hugging Face's BatchEncoding.
+    A mapping comes back as a dict. targets are a tensor with a row a sample. With device
+    None nothing moves, and the batch is only checked. Any other batch is refused, such as
+    one mapping of everything, or a list of strings among the inputs. So is a batch of 0
+    samples, whose mean loss is NaN."""
+    # One mapping of everything, as a collator makes, would unpack into two of its keys.
+    if isinstance(batch, (Mapping, torch.Tensor)) or len(batch) != 2:
+        raise TypeError(f"a batch is an (inputs, targets) pair, not a {type(batch).__name__}: "
+                        "see README, 'Models that compute their own loss'")
+    inputs, targets = batch
+    named = {"inputs": inputs}
+    if isinstance(inputs, Mapping):
+        named = dict(inputs)
+    for name, x in [*named.items(), ("targets", targets)]:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"the batch's {name} is a {type(x).__name__}, not a tensor: see "
+                            "README, 'Models that compute their own loss'")
+    # A copy overlaps the device's work only from pinned memory. From pageable memory, MPS may
+    # read the batch after it is freed (pytorch issue 189690), so such copies wait.
+    named = {name: x.to(device, non_blocking=x.is_pinned()) for name, x in named.items()}
+    targets = targets.to(device, non_blocking=targets.is_pinned())
     if len(targets) == 0:
         raise ValueError("a batch of 0 samples has no mean loss: let the loader skip it")
-    return inputs, targets
+    if isinstance(inputs, Mapping):
+        return named, targets
+    return named["inputs"], targets
 
 
 def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, *,
@@ -110,8 +119,11 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     Three choices are ours, not the docs'. First, the gradients are zeroed before each step's
     first micro-batch, not after its step. So no gradient left from before reaches a step.
     Second, accum_steps=K takes one step for every K micro-batches. Each micro-batch's loss is
-    weighted by its samples. So the step is the one that their whole batch would take, but for
-    BatchNorm's statistics. A short group at the end of the loader takes a step of its own.
+    weighted by the targets it averages over. Targets of -100 are padding, which
+    CrossEntropyLoss and Hugging Face's losses skip, so they do not count. So the step is the
+    one that their whole batch would take, but for BatchNorm's statistics. A short group at the
+    end of the loader takes a step of its own. A model that shifts its labels inside, as
+    Hugging Face's causal language models do, needs the shifted ones as its targets.
     Third, a scheduler steps after every step, even one that the scaler skipped. Knowing which
     were skipped would cost a host sync a step.
 
@@ -121,7 +133,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     `optimizer.step()`" when fp16's first step is skipped. clip_grad_norm, unless it is None or
     0, clips the gradients' norm before each step.
 
-    Returns {"loss", "samples"}: the mean loss per sample, and how many samples it trained on.
+    Returns {"loss", "samples"}: the mean loss per target, and how many samples it trained on.
     """
     device = torch.device(device)
     # autocast takes a torch dtype, not the command line's name for it.
@@ -141,7 +153,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     model.train()
     # The loss is summed on the device. loss.item() would make the CPU wait for the GPU.
     loss_sum = torch.zeros((), device=device)
-    samples = 0
+    counted, samples = 0, 0
     batches = iter(loader)
     # A step's micro-batches stay where the loader made them until their forward pass. So a
     # loader's host batches take the device's memory one at a time.
@@ -149,11 +161,14 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     while group:
         # A gradient left from before never counts, such as one from a micro-batch that raised.
         optimizer.zero_grad(set_to_none=True)
-        # to_device(batch, None) checks a batch and moves nothing. Its samples weight its loss.
-        sizes = [len(to_device(batch, None)[1]) for batch in group]
+        # to_device(batch, None) checks a batch and moves nothing. The targets that a loss
+        # averages over weight it. The count stays on the device: it needs no host sync.
+        checked = [to_device(batch, None)[1] for batch in group]
+        counts = [targets.ne(-100).sum() for targets in checked]
+        counted, samples = counted + sum(counts), samples + sum(map(len, checked))
         # DDP all-reduces once a step, in the backward pass of its last micro-batch.
         syncs = [no_sync] * (len(group) - 1) + [contextlib.nullcontext]
-        for batch, sync in zip(group, syncs):
+        for batch, sync, count in zip(group, syncs, counts):
             inputs, targets = to_device(batch, device)
             with sync():
                 # Autocast covers the forward pass and the loss, and no more. Backward runs
@@ -163,9 +178,8 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
                     loss = criterion(outputs, targets)
                 # In fp16, scaling the loss scales every gradient with it. That lifts small
                 # gradients above fp16's smallest number. The weight makes the step a mean.
-                scaler.scale(loss * (len(targets) / sum(sizes))).backward()
-            loss_sum += loss.detach().float() * len(targets)
-        samples += sum(sizes)
+                scaler.scale(loss * (count / sum(counts))).backward()
+            loss_sum += loss.detach().float() * count
         # Clipping must see the true gradients. unscale_ divides them by the scale first, and
         # step() then knows not to do it again.
         if clip_grad_norm:
@@ -182,31 +196,39 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
             scheduler.step()
         group = list(itertools.islice(batches, accum_steps))
     # With a fused optimizer, the epoch's one host sync. An empty loader gives a mean of NaN.
-    return {"loss": (loss_sum / samples).item(), "samples": samples}
+    return {"loss": (loss_sum / counted).item(), "samples": samples}
 
 
 @torch.inference_mode()
 def evaluate(model, loader, criterion, device, amp_dtype):
-    """The mean loss and accuracy of a classifier over `loader`, under autocast as in training.
-
-    It is the resnet example's test pass. model(inputs) returns class logits, one row a sample,
-    and targets hold class indices, as nn.CrossEntropyLoss takes them. A model that computes
-    its own loss has no class logits: README says how to test it. Returns {"loss",
+    """The mean loss and accuracy over `loader`, under autocast as in training. It takes the
+    batches, models and criterions that train_epoch takes, and weights each batch's loss as it
+    does. The accuracy counts the targets that the outputs' argmax over their last dimension
+    hits, such as a classifier's logits or a language model's. It is NaN for a model whose
+    outputs are no tensor, such as one that computes its own loss. Returns {"loss",
     "accuracy", "samples"}. An empty loader gives NaN for loss and accuracy.
     """
     device = torch.device(device)
     model.eval()
-    # The loss and the correct answers are summed on the device, and read once at the end.
-    sums = torch.zeros(2, device=device)
+    # The loss, the targets hit and the targets counted are summed on the device, and read
+    # once at the end.
+    sums = torch.zeros(3, device=device)
     samples = 0
     for batch in loader:
         inputs, targets = to_device(batch, device)
+        # As in train_epoch. A padding target of -100 is never hit.
+        count = targets.ne(-100).sum()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
-            outputs = model(inputs)
-            sums[0] += criterion(outputs, targets).float() * len(targets)
-        sums[1] += (outputs.argmax(dim=1) == targets).sum()
+            outputs = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+            sums[0] += criterion(outputs, targets).float() * count
+        # A model that computes its own loss returns no logits to hit.
+        hits = torch.tensor(math.nan)
+        if isinstance(outputs, torch.Tensor):
+            hits = (outputs.argmax(dim=-1) == targets).sum()
+        sums[1] += hits
+        sums[2] += count
         samples += len(targets)
-    loss, accuracy = (sums / samples).tolist()
+    loss, accuracy, _ = (sums / sums[2]).tolist()
     return {"loss": loss, "accuracy": accuracy, "samples": samples}
 
 
@@ -272,13 +294,14 @@ def device_label(device):
     # Before torch 2.9 allow_tf32 is the only API. After it, allow_tf32 raises once the new
     # fp32_precision has been set, so the new one is read where torch has it.
     if hasattr(cuda.matmul, "fp32_precision"):
-        # torch reads an op's "none" through the settings above it. "none" all the way up
-        # means IEEE fp32.
-        fp32 = [op.fp32_precision.replace("none", "ieee") for op in (cuda.matmul, cudnn.conv)]
+        matmul, conv = cuda.matmul.fp32_precision, cudnn.conv.fp32_precision
     else:
-        fp32 = [["ieee", "tf32"][allowed] for allowed in (cuda.matmul.allow_tf32, cudnn.allow_tf32)]
-    return (f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul {fp32[0]}, conv "
-            f"{fp32[1]}; cudnn.benchmark {cudnn.benchmark})")
+        matmul, conv = ["ieee", "tf32"][cuda.matmul.allow_tf32], ["ieee", "tf32"][cudnn.allow_tf32]
+    # torch reads an op's "none" through the settings above it. "none" all the way up means
+    # IEEE fp32.
+    return (f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul "
+            f"{matmul.replace('none', 'ieee')}, conv {conv.replace('none', 'ieee')}; "
+            f"cudnn.benchmark {cudnn.benchmark})")
 
 
 def choose_precision(name, model, batch, criterion, device):
@@ -295,16 +318,18 @@ def choose_precision(name, model, batch, criterion, device):
         notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
         # MPS emulates neither. It would train in fp32 or fail, under a header that says 16 bits.
         if device.type == "mps":
-            raise UsageError(f"{name} does not train on mps here (README's table): use one of "
-                             f"{[*native, 'fp32']}")
+            raise UsageError(f"{name} does not train on mps here (README's table): use "
+                             f"--precision {' or '.join([*native, 'fp32'])}, or --device cpu")
     if name == "auto":
         precision = auto_amp(device) or "fp32"
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
         # A CPU's bf16 is timed first.
         if (device.type, precision) == ("cpu", "bf16"):
-            timed = measure_amp(model, batch, criterion, device, torch.bfloat16, 1, math.inf,
-                                log=print0)
-            ratio = timed["bf16"]["median_step_seconds"] / timed["fp32"]["median_step_seconds"]
+            fp32 = measure_training(model, batch, criterion, device, None, 1, math.inf, "fp32",
+                                    print0)
+            bf16 = measure_training(model, batch, criterion, device, torch.bfloat16, 1, math.inf,
+                                    "bf16", print0)
+            ratio = bf16["median_step_seconds"] / fp32["median_step_seconds"]
             if ratio > AUTO_MAX_RATIO:
                 precision = "fp32"
             notes = [f"note: auto trains in {precision}: bf16 steps took {ratio:.2f}x fp32's here"]
@@ -586,20 +611,19 @@ def epoch_problem(record, model, loader, criterion, device):
     # One host sync for all the model's tensors.
     finite = finite.tolist()
     problem = None
-    # In fp16 the scaler skipped the steps whose gradients held inf or NaN, and halved its
-    # scale each time. Far under 1, no scale makes them finite. Then the inf or NaN comes from
-    # the forward pass, or from the data.
-    if record["loss_scale"] < 2.0**-16:
-        problem = f"fp16's loss scale fell to {record['loss_scale']:g}: inf/NaN in model or data"
-    # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated. bf16
-    # and fp32 have no scaler to skip a step, so an inf or NaN loss makes NaN weights.
+    # A mean loss of inf or NaN says that the epoch trained on nonsense, even where the weights
+    # stayed finite. Every process has the same mean.
+    if not math.isfinite(record["train_loss"]):
+        problem = (f"the epoch's mean train loss is {record['train_loss']}: lower --lr, or look "
+                   "for inf/NaN in the data")
+    # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
     if not all(finite):
         problem = (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
                    "or look for inf/NaN in the data")
-    # One fp32 pass says where fp16 overflows, which no loss scale mends. It runs only now.
+    # check_fp16 says where fp16 overflows, which no loss scale mends. It runs only now.
     if problem is not None and record["precision"] == "fp16":
-        verdict = fp16_range(model, next(iter(loader)), criterion, device)["verdict"]
-        problem += f"; on a training batch, {verdict}; or try --precision bf16"
+        verdict = check_fp16(model, next(iter(loader)), criterion, device)["verdict"]
+        problem += f"; on a training batch, {verdict}"
     return problem
 
 
@@ -645,56 +669,128 @@ def count_saved_tensors(model):
         counts[["activation_bytes", "weight_copy_bytes"][copied]] += storage.nbytes()
 
 
-def fp16_range(model, batch, criterion, device):
-    """fp16's range on `model`, from one fp32 forward and backward pass of a copy of it on
-    `batch`. Nothing is trained. The figures are casts of fp32 values, so a CPU gives about the
-    ones that a GPU would, whose fp32 may be TF32. They cover the modules that have no
-    submodules, by their names in named_modules(), and those of their outputs that autograd
-    tracks.
+class FP16Rounding(TorchDispatchMode):
+    """Sees each op that torch runs under autocast and autograd, forward and backward, while it
+    is on. An op whose result autocast makes fp16 runs in fp32 here, and its result is rounded
+    to fp16, as tensor cores round theirs. A CPU emulates fp16's own kernels, up to 400x slower
+    than fp32's, so this costs a few fp32 steps instead. For each fp16 result it keeps the
+    phase, the op, and the module that ran it. It keeps the largest magnitude before rounding,
+    and how many values were nonzero before it, and are nonzero, and inf or NaN, after it."""
 
-    Returns a dict. "largest" is the largest magnitude among those outputs, and
-    "largest_module" holds it. "overflows" lists the modules whose outputs cast to fp16 hold
-    inf, in forward order. "flushed" is the share of the nonzero gradients that reach those
-    outputs that a cast to fp16 makes zero. "flushed_scaled" is that share once they are
-    multiplied by the GradScaler's first scale, 2**16. "verdict" says what fp16 makes of the
-    model, and what to do.
+    def __init__(self, model):
+        super().__init__()
+        # The modules being run, innermost last, by their paths. Below them is the loss.
+        self.modules, self.phase = ["the loss"], "forward"
+        # The results by phase: the forward pass, and the backward passes by their scale.
+        self.results = {"forward": [], 1: [], 2**16: []}
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(functools.partial(self.enter, repr(name)))
+            module.register_forward_hook(self.leave)
+
+    def enter(self, name, *hook_args):
+        self.modules.append(name)
+
+    def leave(self, *hook_args):
+        self.modules.pop()
+
+    def __torch_dispatch__(self, func, types, args, kwargs):
+        # Views and in-place ops keep their tensors, so they run as they are, in fp16. So
+        # does an op with no meta kernel, which rounded() needs, or with no fp32 kernel, as
+        # flash attention has none.
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            if not (func._schema.is_mutable or func.is_view):
+                return self.rounded(func, args, kwargs)
+        results = func(*args, **kwargs)
+        # A view holds no new values.
+        if not func.is_view:
+            self.record(func, pytree.tree_leaves(results), pytree.tree_leaves(results))
+        return results
+
+    def rounded(self, func, args, kwargs):
+        """func's results, computed in fp32, and each rounded to the dtype that func gives it.
+        A meta tensor has a shape and a dtype, and no data. func on meta tensors gives those
+        dtypes, by torch's own rules, and costs nothing."""
+        meta = pytree.tree_map_only((torch.Tensor, torch.device), on_meta, (args, kwargs))
+        meta = pytree.tree_leaves(func(*meta[0], **meta[1]))
+        wide = pytree.tree_map(widen, (args, kwargs))
+        wide, spec = pytree.tree_flatten(func(*wide[0], **wide[1]))
+        results = [x.to(m.dtype) if isinstance(m, torch.Tensor) else x for x, m in zip(wide, meta)]
+        self.record(func, wide, results)
+        return pytree.tree_unflatten(results, spec)
+
+    def record(self, func, wide, results):
+        """Keeps what fp16 made of each fp16 result, as a row of 4 figures."""
+        for value, rounded in zip(wide, results):
+            if getattr(rounded, "dtype", None) == torch.float16 and rounded.numel():
+                # fp16's bits less the sign: 0 is zero, 0x7c00 is inf, and more is NaN. amax
+                # and amin take NaN as the largest.
+                bits = rounded.view(torch.int16) & 0x7FFF
+                row = [torch.maximum(value.amax(), -value.amin()), value.count_nonzero(),
+                       bits.count_nonzero(), (bits >= 0x7C00).sum()]
+                place = f"{func.overloadpacket.__name__} in {self.modules[-1]}"
+                self.results[self.phase].append((place, torch.stack(row).double().cpu()))
+
+
+def on_meta(x):
+    """A tensor or a device, on the meta device."""
+    if isinstance(x, torch.device):
+        return torch.device("meta")
+    return x.to("meta")
+
+
+def widen(x):
+    """x, or fp32 where it is an fp16 tensor or the fp16 dtype."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float16:
+        return x.float()
+    if x is torch.float16:
+        return torch.float32
+    return x
+
+
+def check_fp16(model, batch, criterion, device):
+    """What fp16 does to `model` on `batch`, measured on a copy of it that trains nothing. One
+    forward pass runs under autocast in fp16 with FP16Rounding, as in train_epoch. Two
+    backward passes follow: of the loss, and of the loss scaled by the GradScaler's first
+    scale, 2**16. The ops that autocast keeps in fp32 stay in fp32.
+
+    Returns a dict. "overflow" names the first op of the forward pass whose fp16 result is inf
+    or NaN while its fp32 result is finite, and the module that ran it by its path in
+    named_modules(); or it is None. "bad" names the first whose fp32 result is inf or NaN
+    already, as from a batch or a weight that holds them; or it is None. "zeroed" and "inf"
+    are the shares of the nonzero fp16 gradients that fp16 makes zero and inf, as they are,
+    and "_scaled" by 2**16. "largest_gradient" is the largest finite one, unscaled. "verdict"
+    says what to do.
     """
-    model, outputs, gradients = copy.deepcopy(model).to(device), [], {}
-
-    def record(name, module, inputs, output):
-        # A recurrent layer returns its output first in a tuple. A tensor that autograd does not
-        # track has no grad_fn, and a module with submodules returns what they made.
-        output = output[0] if isinstance(output, tuple) else output
-        if getattr(output, "grad_fn", None) is not None and not list(module.children()):
-            # The node that made the output hears the gradient that reaches it, even where an
-            # in-place op such as ReLU's changes the output later. An output that two modules
-            # return, as an Identity does, keeps one gradient.
-            node, index, output = output.grad_fn, output.output_nr, output.detach()
-            outputs.append((name, output.abs().max(), output.to(torch.float16).isinf().any()))
-
-            def keep(grad_inputs, grad_outputs):
-                gradients[node, index] = grad_outputs[index]
-            node.register_hook(keep)
-    # Names start with the model's class, which names a model that is one layer.
-    for name, module in model.named_modules(prefix=type(model).__name__):
-        module.register_forward_hook(functools.partial(record, name))
-    train_epoch(model, [batch], torch.optim.SGD(model.parameters(), lr=0), criterion, None,
-                device, None)
-    names, largest, overflows = zip(*outputs)
-    largest, overflows = torch.stack(largest).tolist(), torch.stack(overflows).tolist()
-    # The gradients that are not zero in fp32, and those that stay so when cast to fp16, as
-    # they are and scaled. A cast to fp16 makes no zero of a value that fp32 holds as zero.
-    counts = sum(torch.stack([gradient.count_nonzero(), gradient.to(torch.float16).count_nonzero(),
-                              (gradient * 2**16).to(torch.float16).count_nonzero()])
-                 for gradient in filter(torch.is_tensor, gradients.values()))
-    nonzero, kept, kept_scaled = counts.tolist()
-    overflows = list(dict.fromkeys(itertools.compress(names, overflows)))
-    verdict = "no module's output overflows fp16"
-    if overflows:
-        verdict = f"fp16 overflows first in {overflows[0]}: keep that module in fp32 (README)"
-    return {"largest": max(largest), "largest_module": names[largest.index(max(largest))],
-            "overflows": overflows, "flushed": 1 - kept / nonzero,
-            "flushed_scaled": 1 - kept_scaled / nonzero, "verdict": verdict}
+    model = copy.deepcopy(model).to(device).train()
+    rounding, (inputs, targets) = FP16Rounding(model), to_device(batch, device)
+    with rounding, torch.autocast(device.type, dtype=torch.float16):
+        loss = criterion(model(**inputs) if isinstance(inputs, dict) else model(inputs), targets)
+    for rounding.phase in (1, 2**16):
+        scaled = loss.float() * rounding.phase
+        with rounding:
+            scaled.backward(retain_graph=True)
+    found = {"overflow": None, "bad": None,
+             "verdict": "no fp16 result of the forward pass is inf or NaN"}
+    # The first inf or NaN. Before it the values were finite, so fp16 made it where the fp32
+    # result is finite.
+    for place, (largest, _, _, inf) in rounding.results["forward"]:
+        if inf:
+            found["overflow" if largest < math.inf else "bad"] = place
+            break
+    if found["overflow"]:
+        found["verdict"] = (f"fp16 overflows first at {found['overflow']}: keep that in fp32 "
+                            "(README), or train in bf16")
+    if found["bad"]:
+        found["verdict"] = (f"{found['bad']} meets inf or NaN that fp16 did not make: look at "
+                            "the batch and the weights")
+    for phase, suffix in (1, ""), (2**16, "_scaled"):
+        # A row of zeros stands for a pass without fp16 results.
+        rows = torch.stack([row for _, row in rounding.results[phase]] + [torch.zeros(4)])
+        nonzero, nonzero_fp16, inf = rows[:, 1:].sum(0).tolist()
+        found["largest_gradient" + suffix] = rows[:, 0].nan_to_num(0, 0).max().item()
+        found["zeroed" + suffix] = (nonzero - nonzero_fp16) / max(nonzero, 1)
+        found["inf" + suffix] = inf / max(nonzero, 1)
+    return found
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log):
@@ -716,13 +812,15 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
     # Every step saves the same tensors for backward.
     with count_saved_tensors(model) as measured:
         step = seconds_a_step(1)
-    # The first steps allocate memory and pick kernels, so they are not timed. A step longer
-    # than a round's share of `seconds` (emulated bf16, say) hides those costs: one is timed.
+    # The first steps allocate memory and pick kernels, so they are not timed. The two after
+    # the first say how many steps fit in the rounds. A step longer than a round's share of
+    # `seconds` (emulated bf16, say) hides those costs, so one step is timed, once.
     rounds, per_round = 1, 1
     if step <= seconds / TIMED_ROUNDS:
-        seconds_a_step(2)
+        step = seconds_a_step(2)
         rounds, per_round = TIMED_ROUNDS, int(min(steps, seconds / TIMED_ROUNDS / step))
-    log(f"  {label}: first step {cell('step_seconds', step)}, then {rounds} x {per_round} timed")
+    log(f"  {label}: a step took {cell('step_seconds', step)}, so {rounds} rounds of {per_round} "
+        "steps are timed")
     if hasattr(memory, "max_memory_allocated"):
         memory.reset_peak_memory_stats(device)
     timed = [seconds_a_step(per_round) for _ in progress(range(rounds), f"{label}: round", log)]
@@ -743,27 +841,35 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
 
     Returns a dict with "fp32" and "bf16" or "fp16". Each holds the bytes that autograd saved
     for backward, as activations and as autocast's weight copies. Each holds the median step's
-    time, the samples per second, and on CUDA and XPU the peak memory. "fp16_range" holds what
-    fp16_range found before any step. The labels that amp_report prints come too.
+    time, the samples per second, and on CUDA and XPU the peak memory. "fp16" holds what
+    check_fp16 found before any step, and the "seconds" it took. The labels that amp_report
+    prints come too. The global RNG is left as it was.
     """
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(amp_dtype)
     if precision is None:
         raise ValueError(f"measure_amp takes torch.bfloat16 or torch.float16, not {amp_dtype!r}")
     device = torch.device(device)
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
-                "precision": precision, "fp16_range": fp16_range(model, batch, criterion, device)}
-    for label in ("fp32", precision):
-        log(f"measuring {label}")
-        measured[label] = measure_training(model, batch, criterion, device, PRECISIONS[label],
-                                           steps, seconds, label, log)
+                "precision": precision}
+    # Dropout draws from the global RNG. The caller's next draws are those it would have had.
+    devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices, device_type=device.type):
+        log("checking fp16")
+        start = time.perf_counter()
+        measured["fp16"] = check_fp16(model, batch, criterion, device)
+        measured["fp16"]["seconds"] = time.perf_counter() - start
+        for label in ("fp32", precision):
+            log(f"measuring {label}")
+            measured[label] = measure_training(model, batch, criterion, device,
+                                               PRECISIONS[label], steps, seconds, label, log)
     return measured
 
 
 def amp_report(measured):
-    """measure_amp's result as lines. fp32 and AMP stand side by side, with their ratio. fp16's
-    range follows. The last line is a verdict to paste into a bug report."""
+    """measure_amp's result as lines. fp32 and AMP stand side by side, with their ratio. What
+    fp16 does follows. The last line is a verdict to paste into a bug report."""
     name = measured["precision"]
-    fp32, amp = measured["fp32"], measured[name]
+    fp32, amp, fp16 = measured["fp32"], measured[name], measured["fp16"]
     lines = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"]
     for key in fp32:
         ratio = "n/a"
@@ -777,24 +883,30 @@ def amp_report(measured):
     # Within 5% of fp32's time, the two are as fast as each other: a shared machine's steps
     # vary that much. bisect finds the band that the ratio falls in.
     speed = ["faster", "about as fast as fp32", "slower"][bisect.bisect([0.95, 1.05], step)]
-    fp16, overflows = measured["fp16_range"], measured["fp16_range"]["overflows"]
+    # The GradScaler starts at 2**16. It halves its scale after a step with inf or NaN
+    # gradients, and doubles it after 2000 steps without. It settles near the largest power
+    # of 2 that keeps the largest gradient under 65504.
+    fits = math.floor(math.log2(65504 / max(fp16["largest_gradient"], 2.0**-100)))
     return lines + [
-        "fp16's range, from one pass in fp32, so a CPU gives about what a GPU would:",
-        f"  largest output {fp16['largest']:.4g} in {fp16['largest_module']}; headroom to fp16's "
-        f"65504: {65504 / fp16['largest']:.1f}x",
-        f"  modules past fp16's range: {len(overflows)}, the first {overflows[:3]}",
-        f"  nonzero gradients that fp16 makes zero: {fp16['flushed']:.2%} as they are, "
-        f"{fp16['flushed_scaled']:.2%} scaled by 2**16",
-        "  bf16 has fp32's range, so none of this binds it",
+        f"fp16 as autocast runs it here, checked on this batch in {fp16['seconds']:.2f} s, as "
+        f"long as {fp16['seconds'] / fp32['median_step_seconds']:.1f} fp32 steps:",
+        f"  fp16 makes {fp16['zeroed']:.2%} of the nonzero gradients zero, and {fp16['inf']:.2%}"
+        " inf",
+        f"  at the GradScaler's first scale, 2**16, it makes {fp16['zeroed_scaled']:.2%} of them "
+        f"zero, and {fp16['inf_scaled']:.2%} inf",
+        f"  the largest gradient is {fp16['largest_gradient']:.4g}, so the GradScaler's scale "
+        f"settles near 2**{fits}",
+        "  bf16 has fp32's range, so none of this applies to bf16",
         f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}, torch "
         f"{torch.__version__}: {name} steps take {step:.2f}x fp32's time, {memory:.2f}x its "
         f"memory saved for backward; AMP is {speed} here; {fp16['verdict']}"]
 
 
 def cell(key, value):
-    """A value of amp_report's table in the unit of its kind, to 6 significant digits."""
-    scale, unit = UNITS[key.rsplit("_", 1)[1]]
-    return f"{value / scale:.6g} {unit}"
+    """A value of amp_report's table in the unit of its kind, with the decimals that it needs
+    and no exponent."""
+    scale, unit, decimals = UNITS[key.rsplit("_", 1)[1]]
+    return f"{value / scale:,.{decimals}f} {unit}"
 
 
 def run_memory(args, device, notes):
@@ -1077,7 +1189,8 @@ def make_parser():
         f"taken if its steps take at most {AUTO_MAX_RATIO}x fp32's")
     add("--epochs", default=EPOCHS, type=count, help="a linear epoch is one step")
     add("--batch-size", default=BATCH_SIZE, type=count, help="the batch size per process")
-    add("--lr", default=LR, type=number(float, math.ulp(0.0), math.inf, "more than 0"),
+    add("--lr", default=LR, type=number(float, math.ulp(0.0), sys.float_info.max,
+                                        "a finite number more than 0"),
         help="SGD's; resnet's falls tenfold every 10 epochs")
     add("--data", default="cifar10", choices=["cifar10", "synthetic"],
         help="resnet's; synthetic: 10,000 learnable images, made offline")

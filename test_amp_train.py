@@ -1,8 +1,8 @@
 """The specification of amp_train.py: each test's name says the one behaviour it checks, in the
 module's order. CUDA cases run where a GPU is. Run: python -m pytest -q"""
-import contextlib, faulthandler, functools, importlib.util, inspect, io, json, math
-import multiprocessing, os, pathlib, pickle, re, socket, subprocess, sys, unittest.mock
-import urllib.error
+import collections, contextlib, copy, faulthandler, functools, importlib.util, inspect, io
+import json, math, multiprocessing, os, pathlib, pickle, re, signal, socket, subprocess, sys
+import types, unittest.mock, urllib.error
 
 import numpy as np
 import pytest
@@ -198,7 +198,13 @@ def test_readmes_own_loss_block_trains_each_form_as_the_docs_loop_and_measures_w
         assert all(torch.equal(*pair) for pair in zip(user[name].parameters(), reference[
             name].parameters())), f"{name} is not trained as the docs' loop trains it"
     out = capsys.readouterr().out
-    assert re.match(r"(epoch \d \| nanoGPT's form [\d.]+ \| Hugging Face's [\d.]+\n){3}", out)
+    assert re.match(r"(epoch \d \| nanoGPT's form [\d.]+ \| Hugging Face's [\d.]+\n){3}test \| ",
+                    out), out
+    # The test pass: each model's own loss, under inference mode and autocast, over its batches.
+    with torch.inference_mode(), torch.autocast("cpu", dtype=BF16):
+        tested = [np.mean([loss_of(batch).item() for batch in loader]) for _, loader, loss_of in
+                  forms]
+    assert [user["gpt_tested"]["loss"], user["hf_tested"]["loss"]] == pytest.approx(tested)
     # measure_amp takes what train_epoch takes: here dict inputs and the model's own loss.
     measured, fp32, bf16 = user["measured"], user["measured"]["fp32"], user["measured"]["bf16"]
     memory = (bf16["activation_bytes"] + bf16["weight_copy_bytes"]) / fp32["activation_bytes"]
@@ -206,6 +212,13 @@ def test_readmes_own_loss_block_trains_each_form_as_the_docs_loop_and_measures_w
     assert bf16["samples_per_second"] == pytest.approx(64 / bf16["median_step_seconds"])
     assert (measured["name"], measured["batch"], "peak_bytes" in bf16) == ("model", 64, False)
     assert "its memory saved for backward; AMP is" in out
+    # It leaves the model, its buffers and the global RNG as they were, with dropout too.
+    model, batch = nn.Sequential(small_model(), nn.Dropout()), (torch.randn(4, 3, 8, 8),
+                                                                 torch.arange(4))
+    before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    amp_train.measure_amp(model, batch, nn.CrossEntropyLoss(), CPU, FP16, steps=1, log=len)
+    assert torch.equal(rng, torch.get_rng_state()), "the global RNG moved on"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "model changed"
     # What it cannot compare with fp32 is refused.
     for amp_dtype in (None, "bf16", torch.float32):
         with pytest.raises(ValueError, match="measure_amp takes torch.bfloat16 or torch.float16"):
@@ -229,15 +242,16 @@ def test_fp16_without_an_enabled_gradscaler_no_steps_a_name_or_a_batch_of_0_samp
 
 
 @pytest.mark.parametrize("batch,says", [
-    # Python's own words on what failed follow, in brackets.
-    ({"input_ids": torch.zeros(4, 10), "labels": torch.zeros(4, 1)}, "not a dict"),
-    (((torch.zeros(4, 10), torch.tensor([3, 2, 2, 1])), torch.zeros(4, 1)), "not a tuple"),
-    (torch.zeros(4, 10), "not a Tensor")],
-    ids=["dict", "tuple inputs", "a tensor"])
+    ({"input_ids": torch.zeros(4, 10), "labels": torch.zeros(4, 1)}, "an (inputs, targets) pair, "
+     "not a dict"), (torch.zeros(2, 10), "an (inputs, targets) pair, not a Tensor"),
+    (((torch.zeros(4, 10), torch.zeros(4)), torch.zeros(4, 1)), "inputs is a tuple, not a tensor"),
+    ((collections.UserDict(x=torch.zeros(4, 10), text=["a"] * 4), torch.zeros(4, 1)),
+     "the batch's text is a list, not a tensor")],
+    ids=["one dict", "a tensor", "tuple inputs", "strings in a mapping"])
 def test_a_batch_that_is_not_a_pair_of_tensors_says_what_it_is_and_points_to_readme(batch, says):
     model, optimizer, scaler = linear_setup()
-    with pytest.raises(TypeError, match=rf"pair of tensors, or of a dict of tensors and a tensor, "
-                       rf"{says} \(.+\): see README, 'Models that compute their own loss'$"):
+    with pytest.raises(TypeError, match=re.escape(says) + ": see README, 'Models that compute "
+                       "their own loss'$"):
         train(model, [batch], optimizer, scaler)
 
 
@@ -351,6 +365,41 @@ def test_micro_batches_of_4_4_and_2_step_as_their_whole_batch_and_a_short_last_g
     assert torch.allclose(model.weight, whole.weight, atol=1e-6, rtol=0), "more than rounding"
 
 
+class TinyLM(nn.Sequential):
+    """A language model in Hugging Face's form: model(**batch) returns an object with .loss,
+    the mean over the tokens whose labels are not -100."""
+
+    def forward(self, input_ids, labels):
+        logits = super().forward(input_ids)
+        return types.SimpleNamespace(logits=logits, loss=nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten()))
+
+
+def padded_tokens(n=8, length=6):
+    """n sequences of tokens, with padding of -100 in their labels after a random length."""
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 20, (n, length))
+    labels = tokens.masked_fill(torch.arange(length) >= torch.randint(1, length, (n, 1)), -100)
+    return tokens, labels
+
+
+def test_micro_batches_of_padded_tokens_step_as_their_whole_batch_by_the_tokens_they_count():
+    tokens, labels = padded_tokens()
+    stepped = []
+    for halves in (1, 2):
+        torch.manual_seed(0)
+        model = TinyLM(nn.Embedding(20, 8), nn.Linear(8, 20))
+        batches = [({"input_ids": x, "labels": y}, y) for x, y in zip(tokens.chunk(halves),
+                                                                      labels.chunk(halves))]
+        stats = amp_train.train_epoch(model, batches, torch.optim.SGD(model.parameters(), lr=1),
+                                      lambda outputs, _: outputs.loss, None, CPU, None,
+                                      accum_steps=2)
+        stepped.append((model[1].weight.detach(), stats["loss"]))
+    # Weighted by its samples instead, the half with fewer tokens would count as much.
+    assert torch.allclose(stepped[0][0], stepped[1][0], atol=1e-6, rtol=0), "not the whole batch"
+    assert stepped[0][1] == pytest.approx(stepped[1][1], rel=1e-6), "not the mean over tokens"
+
+
 def test_each_micro_batch_reaches_the_device_just_before_its_forward_and_ddp_syncs_on_the_last(
         monkeypatch):
     class DDP(nn.Linear):
@@ -408,6 +457,19 @@ def test_evaluate_gives_the_mean_loss_and_accuracy_in_inference_mode_as_training
         amp_train.evaluate(model, [EMPTY], MSE, CPU, None)
 
 
+def test_evaluate_takes_a_model_that_computes_its_own_loss_as_train_epoch_does():
+    tokens, labels = padded_tokens()
+    model = TinyLM(nn.Embedding(20, 8), nn.Linear(8, 20))
+    batches = [(collections.UserDict(input_ids=x, labels=y), y) for x, y in zip(tokens.chunk(2),
+                                                                               labels.chunk(2))]
+    result = amp_train.evaluate(model, batches, lambda outputs, _: outputs.loss, CPU, BF16)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=BF16):
+        loss = model(tokens, labels).loss.item()
+    # The mean over every batch's tokens, as one pass over the whole batch gives it.
+    assert result["loss"] == pytest.approx(loss, rel=1e-6) and result["samples"] == 8, result
+    assert math.isnan(result["accuracy"]), "a model's own loss gives no logits to score"
+
+
 # ---------- precision and device
 
 def fake_cpu(monkeypatch, *instructions):
@@ -444,8 +506,8 @@ def test_auto_and_readmes_set_up_lines_follow_its_table_and_every_process_takes_
     fake_accelerator(monkeypatch, kind, capability, macos)
     fake_cpu(monkeypatch, *found)
     # bf16 steps, timed on a CPU, that take half of fp32's time.
-    monkeypatch.setattr(amp_train, "measure_amp", lambda *args, **kwargs: {
-        "fp32": {"median_step_seconds": 1.0}, "bf16": {"median_step_seconds": 0.5}})
+    monkeypatch.setattr(amp_train, "measure_training", lambda model, batch, criterion, device,
+                        amp_dtype, *rest: {"median_step_seconds": 1.0 - 0.5 * (amp_dtype is BF16)})
     decided = []
     monkeypatch.setattr(amp_train, "from_rank_0", lambda value: decided.append(value) or value)
     chosen, notes = amp_train.choose_precision("auto", None, None, None, torch.device(kind))
@@ -454,7 +516,8 @@ def test_auto_and_readmes_set_up_lines_follow_its_table_and_every_process_takes_
         # A Mac refuses what it cannot train in, in one line that says what it can.
         if kind == "mps" and name in not_native:
             with pytest.raises(amp_train.UsageError, match=rf"^{name} does not train on mps here "
-                               r"\(README's table\): use one of \[.*'fp32'\]$"):
+                               r"\(README's table\): use --precision (bf16 or )?fp32, or "
+                               r"--device cpu$"):
                 amp_train.choose_precision(name, None, None, None, torch.device(kind))
             continue
         chosen, notes = amp_train.choose_precision(name, None, None, None, torch.device(kind))
@@ -480,18 +543,19 @@ def test_auto_on_a_cpu_with_bf16_times_3_steps_of_the_run_and_takes_it_if_clearl
     fake_cpu(monkeypatch, *found)
     measured = []
 
-    def measure_amp(model, batch, criterion, device, amp_dtype, steps, seconds, log):
+    def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, *log):
         measured.append((type(model), batch[0].shape, amp_dtype, steps, seconds))
-        return {"fp32": {"median_step_seconds": 1.0}, "bf16": {"median_step_seconds": ratio}}
-    monkeypatch.setattr(amp_train, "measure_amp", measure_amp)
+        return {"median_step_seconds": [1.0, ratio][amp_dtype is BF16]}
+    monkeypatch.setattr(amp_train, "measure_training", measure_training)
     ok(LINEAR + ["--precision", "auto", "--run-dir", str(run_dir), "--epochs", "1"])
     out = capsys.readouterr().out
     assert f"| precision {chosen} |" in out and f"note: auto trains in {chosen}: bf16 steps took " \
         f"{ratio:.2f}x fp32's here\n" in out, out
-    assert measured == [(nn.Linear, (128, 10), BF16, 1, math.inf)], "not the run's own"
+    assert measured == [(nn.Linear, (128, 10), amp_dtype, 1, math.inf) for amp_dtype in (
+        None, BF16)], "not the run's own"
     # The checkpoint keeps the choice: a resume never measures again.
     ok(["--device", "cpu", "--run-dir", str(run_dir), "--epochs", "2", "--resume"])
-    assert f"| precision {chosen} |" in capsys.readouterr().out and len(measured) == 1
+    assert f"| precision {chosen} |" in capsys.readouterr().out and len(measured) == 2
 
 
 def test_auto_is_torchs_accelerator_or_the_cpu_and_under_torchrun_process_k_takes_device_k(
@@ -529,10 +593,15 @@ def test_a_gpus_label_reads_fp32s_precision_by_the_api_torch_has_and_never_raise
         assert amp_train.device_label(gpu) == label("tf32", "tf32")
         return
     # The new API, after which the legacy allow_tf32 raises. "none" all the way up is IEEE fp32
-    # for matmuls. cuDNN's default is TF32.
-    for setting, matmul in ("tf32", "tf32"), ("none", "ieee"):
-        monkeypatch.setattr(cuda.matmul, "fp32_precision", setting)
-        assert amp_train.device_label(gpu) == label(matmul, "tf32")
+    # for matmuls. cuDNN's default is TF32. torch serves the setting through __getattr__, which
+    # monkeypatch cannot undo, so it is restored by hand.
+    before = cuda.matmul.fp32_precision
+    try:
+        for setting, matmul in ("tf32", "tf32"), ("none", "ieee"):
+            cuda.matmul.fp32_precision = setting
+            assert amp_train.device_label(gpu) == label(matmul, "tf32")
+    finally:
+        cuda.matmul.fp32_precision = before
 
 
 # ---------- models and data
@@ -760,43 +829,51 @@ def test_the_lr_falls_tenfold_every_10_epochs_and_a_resume_recomputes_it(monkeyp
     assert lrs_of(capsys.readouterr().out) == [0.01] * 12, "the linear example's lr falls"
 
 
-@pytest.mark.parametrize("precision,broken,status,says", [
-    ("fp32", "weight", 1, "the model's weight holds inf/NaN: lower --lr, or look for inf/NaN in "
-     "the data"), ("bf16", "weight", 1, "the model's weight holds inf/NaN: lower --lr, or look "
-                   "for inf/NaN in the data"),
-    # An inf loss with finite weights (fp16's scaler skipped its steps) goes on.
-    ("fp16", "loss", 0, None), ("fp32", "loss", 0, None)])
+NAN_WEIGHT = "the model's weight holds inf/NaN: lower --lr, or look for inf/NaN in the data"
+INF_LOSS = "the epoch's mean train loss is inf: lower --lr, or look for inf/NaN in the data"
+
+
+@pytest.mark.parametrize("precision,broken,says", [
+    ("fp32", "weight", NAN_WEIGHT), ("bf16", "weight", NAN_WEIGHT), ("fp32", "loss", INF_LOSS),
+    # fp16's scaler skipped the steps, so the weights stayed finite. The check finds no cause.
+    ("fp16", "loss", INF_LOSS + "; on a training batch, no fp16 result of the forward pass is "
+     "inf or NaN")])
 def test_a_run_that_cannot_go_on_stops_and_keeps_its_last_sound_epoch(
-        precision, broken, status, says, run_dir, monkeypatch, capsys):
+        precision, broken, says, run_dir, monkeypatch, capsys):
     calls, real = [], amp_train.train_epoch
 
     def breaking(model, *args, **kwargs):
         calls.append(real(model, *args, **kwargs))
-        # In epoch 2, an inf loss (fp16's scaler skipped its steps), and NaN weights if broken.
+        # In epoch 2, an inf loss, or NaN weights if broken.
         if len(calls) == 2 and broken == "weight":
             model.weight.data.fill_(math.nan)
-        return {**calls[-1], "loss": math.inf if len(calls) == 2 else 1.0}
+        return {**calls[-1], "loss": [1.0, math.inf][len(calls) == 2 and broken == "loss"]}
     monkeypatch.setattr(amp_train, "train_epoch", breaking)
     argv = LINEAR + ["--precision", precision, "--epochs", "3", "--run-dir", str(run_dir)]
-    assert amp_train.main(argv) == status
-    assert load(run_dir / "checkpoint.pt")["epoch"] == 3 - 2 * status, "not the last sound one"
-    assert [r["train_loss"] for r in read_metrics(run_dir / "metrics.jsonl")][:2] == [1, math.inf]
+    assert amp_train.main(argv) == 1
+    assert load(run_dir / "checkpoint.pt")["epoch"] == 1, "not the last sound epoch"
+    assert len(read_metrics(run_dir / "metrics.jsonl")) == 2, "the metrics lack the last epoch"
     err = capsys.readouterr().err
-    assert status == 0 or err == f"error: epoch 2: {says}; {run_dir} holds epoch 1\n", err
+    assert err == f"error: epoch 2: {says}; {run_dir} holds epoch 1\n", err
 
 
-def test_a_loss_scale_that_collapses_stops_the_run_and_names_the_module_past_fp16s_range(
-        monkeypatch, capsys):
-    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler,
-                                                                  growth_interval=1))
-    assert amp_train.main(LINEAR_FP16 + ["--epochs", "100", "--lr", "1e38"]) == 1
+@pytest.mark.parametrize("precision,says", [
+    # The weights grow until fp32's loss overflows.
+    ("fp32", "epoch 4: the epoch's mean train loss is inf: lower --lr, or look for inf/NaN in "
+     "the data; {} holds epoch 3"),
+    # In fp16 the scaler skips the steps whose gradients are inf, but the weights' fp16 copies
+    # overflow already, which the check names: the Linear's weight cast by autocast.
+    ("fp16", "epoch 2: the epoch's mean train loss is nan: lower --lr, or look for inf/NaN in "
+     "the data; on a training batch, fp16 overflows first at _to_copy in '': keep that in fp32 "
+     r"\(README\), or train in bf16; {} holds epoch 1")])
+def test_a_run_that_diverges_exits_1_with_one_line_and_keeps_its_last_finite_epoch(
+        precision, says, run_dir, capsys):
+    argv = LINEAR + ["--precision", precision, "--lr", "1e6", "--epochs", "5"]
+    assert amp_train.main(argv + ["--run-dir", str(run_dir)]) == 1
     err = capsys.readouterr().err
-    assert re.search(r"epoch \d+: fp16's loss scale fell to 7\.6\d*e-06: inf/NaN in model "
-                     r"or data; on a training batch, fp16 overflows "
-                     r"first in Linear: keep that module in fp32 \(README\); or try --precision "
-                     r"bf16; nothing was saved$", err), err
-
-
+    assert re.fullmatch(f"error: {says.format(re.escape(str(run_dir)))}\n", err), err
+    assert all(math.isfinite(value) for value in load(run_dir / "checkpoint.pt")["model"][
+        "weight"].flatten().tolist()), "the checkpoint holds a run gone wrong"
 
 
 # ---------- the memory measurement
@@ -857,35 +934,136 @@ def test_three_passes_in_one_count_save_three_times_what_one_saves():
     assert counted == [one, {key: 3 * value for key, value in one.items()}], counted
 
 
-def test_fp16s_range_names_the_first_module_past_it_and_counts_what_fp16_makes_zero():
-    torch.manual_seed(0)
-    model, batch = small_model(), (torch.randn(8, 3, 8, 8), torch.arange(8))
-    assert amp_train.fp16_range(model, batch, nn.CrossEntropyLoss(), CPU)["flushed"] < 0.01
+class Attention(nn.Module):
+    """nanoGPT's attention, in brief: its scores are a matmul inside it, in no module of theirs."""
 
-    # A loss a million times smaller makes most gradients too small for fp16, and the
-    # GradScaler's scale lifts them. An independent count: each layer's output keeps its
-    # gradient, which is cast to fp16 by hand.
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.qkv, self.proj, self.scale = nn.Linear(16, 48), nn.Linear(16, 16), scale
+
+    def forward(self, x):
+        q, k, v = self.qkv(x * self.scale).chunk(3, dim=-1)
+        return self.proj((q @ k.transpose(-2, -1)).softmax(-1) @ v)
+
+
+class KeptInFP32(nn.Module):
+    """A head kept in fp32, as README advises, whose outputs pass fp16's range."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.head.weight.data *= 1e6
+
+    def forward(self, x):
+        x = self.body(x).mean(1)
+        with torch.autocast(x.device.type, enabled=False):
+            return self.head(x.float())
+
+
+class SummedMSE(nn.Module):
+    """A model that computes its own loss, a sum that autocast keeps in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.loss = nn.Linear(16, 1), nn.MSELoss(reduction="sum")
+
+    def forward(self, x, y):
+        return self.loss(self.fc(x), y)
+
+
+def fp16_case(name):
+    """A model, a batch and a criterion, each small and seeded, named for what fp16 does to it."""
+    torch.manual_seed(0)
+    x, classes, criterion = torch.randn(4, 8, 16), torch.arange(4), nn.CrossEntropyLoss()
+    model = nn.Sequential(Attention(), nn.Flatten(), nn.Linear(128, 4))
+    if name == "attention scores":
+        model[0].scale = 1000.0
+    if name == "multi-head attention alone":
+        model, criterion = nn.MultiheadAttention(16, 2, batch_first=True), lambda out, _: out[0].sum()
+        x = {"query": x * 300, "key": x * 300, "value": x * 300}
+    if name == "a frozen backbone":
+        model = nn.Sequential(nn.Linear(16, 16), nn.Flatten(), nn.Linear(128, 4))
+        model[0].requires_grad_(False)
+        model[0].weight.data *= 161027
+    if name == "a head kept in fp32":
+        model = KeptInFP32()
+    if name == "a summed MSE loss":
+        model, criterion = SummedMSE(), lambda loss, _: loss
+        x = {"x": x, "y": torch.randn(4, 8, 1) * 1e3}
+    if name == "a scaled embedding":
+        model, x = nn.Sequential(nn.Embedding(10, 16), nn.LayerNorm(16), nn.Flatten(),
+                                 nn.Linear(128, 4)), torch.randint(0, 10, (4, 8))
+        model[0].weight.data *= 5e6
+    if name == "inf in the data":
+        x[0, 0, 0] = math.inf
+    if name == "gradients past 65504 at 2**16":
+        model[2].weight.data *= 300
+    if name == "a zero-initialized model":
+        [nn.init.zeros_(p) for p in model.parameters()]
+    if name == "a loss of 0":
+        criterion = lambda out, _: out.float().sum() * 0
+    return model, (x, classes), criterion
+
+
+def real_fp16(model, batch, criterion):
+    """What a real fp16 step does on the CPU: whether its loss is finite, and whether its
+    gradients are, as they are and scaled by 2**16."""
+    finite = []
+    for scale in (1, 2**16):
+        copied, (inputs, targets) = copy.deepcopy(model), batch
+        with torch.autocast("cpu", dtype=FP16):
+            loss = criterion(copied(**inputs) if isinstance(inputs, dict) else copied(inputs),
+                             targets)
+        (loss.float() * scale).backward()
+        finite.append(all(p.grad.isfinite().all() for p in copied.parameters() if p.requires_grad))
+    return loss.isfinite().item(), *finite
+
+
+@pytest.mark.parametrize("name,overflow,bad", [
+    ("attention scores", "bmm in '0'", None), ("multi-head attention alone", "bmm in ''", None),
+    ("a frozen backbone", "addmm in '0'", None), ("a head kept in fp32", None, None),
+    ("a summed MSE loss", None, None), ("a scaled embedding", None, None),
+    ("inf in the data", None, "_to_copy in '0.qkv'"),
+    ("gradients past 65504 at 2**16", None, None), ("a zero-initialized model", None, None),
+    ("a loss of 0", None, None)])
+def test_the_fp16_check_finds_what_a_real_fp16_step_meets_where_it_meets_it(name, overflow, bad):
+    model, batch, criterion = fp16_case(name)
+    before = copy.deepcopy(model.state_dict())
+    found = amp_train.check_fp16(model, batch, criterion, CPU)
+    loss_finite, gradients_finite, scaled_finite = real_fp16(model, batch, criterion)
+    assert (found["overflow"], found["bad"]) == (overflow, bad), found
+    assert loss_finite == (overflow is bad is None), "the real loss says otherwise"
+    assert (found["inf"] == 0, found["inf_scaled"] == 0) == (gradients_finite, scaled_finite), found
+    assert found["verdict"].startswith(("no fp16 result", "fp16 overflows first at",
+                                        f"{bad} meets inf")[bool(overflow) + 2 * bool(bad)])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "model changed"
+
+
+def test_the_share_of_gradients_that_fp16_makes_zero_is_a_real_fp16_backwards():
+    # A loss a million times smaller makes many gradients too small for fp16. The GradScaler's
+    # first scale lifts them.
+    torch.manual_seed(0)
+    model, batch = nn.Linear(16, 4), (torch.randn(64, 16), torch.arange(64) % 4)
+
     def criterion(outputs, targets):
         return nn.functional.cross_entropy(outputs, targets) * 1e-6
-    found, copy, kept = amp_train.fp16_range(model, batch, criterion, CPU), small_model(), []
-    copy.load_state_dict(model.state_dict())
-    for layer in copy:
-        layer.register_forward_hook(lambda m, i, out: out.retain_grad() or kept.append(out))
-    criterion(copy(batch[0]), batch[1]).backward()
-    gradients = torch.cat([out.grad[out.grad != 0] for out in kept])
-    counted = [(gradients * s).to(FP16).eq(0).float().mean().item() for s in (1, 2**16)]
-    assert [found["flushed"], found["flushed_scaled"]] == pytest.approx(counted), counted
-    assert found["overflows"] == [] and found["flushed"] > 0.5 > found["flushed_scaled"], found
-    assert found["verdict"] == "no module's output overflows fp16", found
-    # A recurrent layer's output comes first in a tuple.
-    assert amp_train.fp16_range(nn.LSTM(3, 4), (torch.randn(2, 5, 3), torch.zeros(2)),
-                                lambda out, targets: out[0].sum(), CPU)["largest_module"] == "LSTM"
-    # The last layer's outputs pass fp16's range. The model returns them, but is no layer.
-    model[5].weight.data *= 1e6
-    found = amp_train.fp16_range(model, batch, nn.CrossEntropyLoss(), CPU)
-    assert found["overflows"] == ["Sequential.5"] == [found["largest_module"]], found
-    assert found["largest"] > 65504 and found["verdict"] == "fp16 overflows first in " \
-        "Sequential.5: keep that module in fp32 (README)", found
+    found = amp_train.check_fp16(model, batch, criterion, CPU)
+    # The real fp16 backward: the logits' gradient, and the weight's and the bias's, each fp16.
+    # fp32's gradients say which are not zero.
+    shares = []
+    for scale in (1, 2**16):
+        grads = []
+        for dtype in (FP16, None):
+            copied = copy.deepcopy(model)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                logits = copied(batch[0])
+            logits.retain_grad()
+            (criterion(logits, batch[1]).float() * scale).backward()
+            grads.append(torch.cat([logits.grad.flatten(), copied.weight.grad.flatten(),
+                                    copied.bias.grad.flatten()]).float())
+        shares.append((grads[0][grads[1] != 0] == 0).float().mean().item())
+    assert [found["zeroed"], found["zeroed_scaled"]] == pytest.approx(shares, abs=0.02), shares
+    assert found["zeroed"] > 0.5 > 0.01 > found["zeroed_scaled"], found
 
 
 @pytest.mark.parametrize("step,rounds,per_round", [
@@ -899,14 +1077,14 @@ def test_steps_are_timed_in_3_rounds_of_what_fits_in_30_s_or_once_where_a_step_i
         trained.append(len(loader))
         clock[0] += step * len(loader)
     monkeypatch.setattr(amp_train, "train_epoch", train_epoch)
-    monkeypatch.setattr(amp_train, "fp16_range", lambda *args: {})
+    monkeypatch.setattr(amp_train, "check_fp16", lambda *args: {})
     monkeypatch.setattr(amp_train, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
     measured = amp_train.measure_amp(nn.Linear(10, 1), batch_of(4), MSE, "cpu", log=heard.append)
     # The first step, then 2 more untimed where a step fits a round's share, then the rounds.
     assert trained == ([1, 2][:1 + (rounds > 1)] + [per_round] * rounds) * 2, trained
     assert measured["bf16"]["median_step_seconds"] == pytest.approx(step), measured
-    assert heard[1] == (f"  fp32: first step {amp_train.cell('step_seconds', step)}, then "
-                        f"{rounds} x {per_round} timed"), heard
+    assert heard[2] == (f"  fp32: a step took {amp_train.cell('step_seconds', step)}, so {rounds} "
+                        f"rounds of {per_round} steps are timed"), heard
 
 
 def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_that_fit(
@@ -917,15 +1095,15 @@ def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_t
     out = capsys.readouterr().out
     assert out.startswith("memory | torch ") and "| model linear | batch 128\nnote: bf16 is not " \
         "native on cpu here, so it is slower than fp32\n" in out, out
-    for row in (r"activation_bytes +0\.00585938 MiB +0\.00341797 MiB +0\.58",
-                r"samples_per_second +[\d.]+ /s +[\d.]+ /s +[\d.]+",
-                r"  largest output 1\.512 in Linear; headroom to fp16's 65504: 4333\d\.\dx",
-                r"  modules past fp16's range: 0, the first \[\]",
-                r"  nonzero gradients that fp16 makes zero: 0\.00% as they are, 0\.00% scaled by "
-                r"2\*\*16",
+    for row in (r"activation_bytes +0\.01 MiB +0\.00 MiB +0\.58",
+                r"samples_per_second +[\d,]+ /s +[\d,]+ /s +[\d.]+",
+                r"fp16 as autocast runs it here, checked on this batch in [\d.]+ s, as long as "
+                r"[\d.]+ fp32 steps:",
+                r"  fp16 makes 0\.00% of the nonzero gradients zero, and 0\.00% inf",
+                r"  the largest gradient is 0\.8\d+, so the GradScaler's scale settles near 2\*\*16",
                 r"verdict: linear, batch 128, cpu \(16-bit instructions: \[\]\), torch .*: bf16 "
                 r"steps take [\d.]+x fp32's time, 0\.\d\dx its memory saved for backward; AMP is "
-                r".* here; no module's output overflows fp16"):
+                r".* here; no fp16 result of the forward pass is inf or NaN"):
         assert re.search(f"^{row}$", out, re.M), (row, out)
 
 
@@ -933,17 +1111,28 @@ def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_t
     (0.93, "faster"), (1.04, "about as fast as fp32"), (1.1, "slower")])
 def test_the_verdict_says_faster_beyond_5_percent_and_each_value_comes_in_its_kinds_unit(
         step, speed):
-    fp32 = {"activation_bytes": 2**31, "weight_copy_bytes": 0, "median_step_seconds": 0.25}
-    amp = {"activation_bytes": 2**30, "weight_copy_bytes": 2**29, "median_step_seconds": step / 4}
-    fp16 = {"largest": 1e5, "largest_module": "Net.fc", "overflows": ["Net.fc", "Net.act"],
-            "flushed": 0.5, "flushed_scaled": 0.01, "verdict": "fp16 overflows first in Net.fc"}
+    # From 5e-5 s and 5 KiB to 1.3 million samples a second: fixed decimals, no exponent.
+    fp32 = {"activation_bytes": 2**31, "weight_copy_bytes": 5 * 2**10, "median_step_seconds": 5e-5,
+            "samples_per_second": 1325060.4}
+    amp = {"activation_bytes": 2**30, "weight_copy_bytes": 2**29, "median_step_seconds": step * 5e-5,
+           "samples_per_second": 1325060.4 / step}
+    fp16 = {"zeroed": 0.5, "inf": 0.0, "zeroed_scaled": 0.01, "inf_scaled": 0.25,
+            "largest_gradient": 3.0, "seconds": 1e-4, "verdict": "fp16 overflows first at bmm"}
     lines = amp_train.amp_report({"name": "m", "batch": 1, "device": "cpu", "precision": "bf16",
-                                  "fp32": fp32, "bf16": amp, "fp16_range": fp16})
+                                  "fp32": fp32, "bf16": amp, "fp16": fp16})
     assert lines[-1].endswith(f" 0.75x its memory saved for backward; AMP is {speed} here; "
-                              "fp16 overflows first in Net.fc"), lines[-1]
-    assert lines[1:4] == ["activation_bytes              2048 MiB        1024 MiB        0.50",
-                          "weight_copy_bytes                0 MiB         512 MiB         n/a",
-                          f"median_step_seconds{'250 ms':>19}{250 * step:>13.6g} ms{step:>12.2f}"]
+                              "fp16 overflows first at bmm"), lines[-1]
+    assert lines[1:5] == ["activation_bytes          2,048.00 MiB    1,024.00 MiB        0.50",
+                          "weight_copy_bytes             0.00 MiB      512.00 MiB   104857.60",
+                          f"median_step_seconds           0.050 ms{f'{step * 0.05:.3f} ms':>16}"
+                          f"{step:>12.2f}", f"samples_per_second        1,325,060 /s"
+                          f"{f'{1325060.4 / step:,.0f} /s':>16}{1 / step:>12.2f}"]
+    assert lines[5:10] == [
+        "fp16 as autocast runs it here, checked on this batch in 0.00 s, as long as 2.0 fp32 "
+        "steps:", "  fp16 makes 50.00% of the nonzero gradients zero, and 0.00% inf",
+        "  at the GradScaler's first scale, 2**16, it makes 1.00% of them zero, and 25.00% inf",
+        "  the largest gradient is 3, so the GradScaler's scale settles near 2**14",
+        "  bf16 has fp32's range, so none of this applies to bf16"], lines
 
 
 # ---------- the run folder: every write whole, the standard checkpoint, one try to read it
@@ -1056,7 +1245,9 @@ def test_a_file_that_is_no_checkpoint_of_this_run_ends_in_one_line_and_changes_n
     monkeypatch.chdir(run_dir)
     err = run_bad(run + ["--epochs", "2", "--resume"], capsys)
     assert f"{run_dir / 'run' / 'checkpoint.pt'} is no checkpoint this run can go on" in err
-    assert len(err) < 200 and not (run_dir / "pwned").exists() and {p.name: p.lstat(
+    # One line, of any length that the path makes it.
+    assert len(err.replace(str(run_dir), "")) < 200 and not (run_dir / "pwned").exists() and {
+        p.name: p.lstat(
         ).st_mtime_ns for p in (run_dir / "run").iterdir()} == before, err
 
 
@@ -1197,7 +1388,9 @@ real = amp_train.run_epoch
 def dying(args, epoch, *rest):
     # Rank 1 dies by kill -9 in epoch 2 once epoch 1's checkpoint is written, once in all.
     if epoch == 1 and os.environ["RANK"] == "1" and not os.path.exists("died"):
+        deadline = time.monotonic() + 60
         while not open("run/metrics.jsonl").read():
+            assert time.monotonic() < deadline, "epoch 1's metrics never came"
             time.sleep(0.05)
         open("died", "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -1222,11 +1415,17 @@ def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(lau
            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
 
     def run(port):
+        # Each agent leads a process group of its own, which ends with it, also on a timeout.
         agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *(
             option.format(port=port) for option in options), "--max-restarts=1", *argv],
-            cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for options in LAUNCHES[launch]]
-        return [(*agent.communicate(timeout=60), agent.returncode) for agent in agents]
+            cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True) for options in LAUNCHES[launch]]
+        try:
+            return [(*agent.communicate(timeout=120), agent.returncode) for agent in agents]
+        finally:
+            for agent in agents:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.pid, signal.SIGKILL)
     agents = retry_if_the_port_was_taken(run)
     out = "".join(agent[0] for agent in agents)
     assert [agent[2] for agent in agents] == [0] * len(agents), agents
@@ -1243,7 +1442,8 @@ def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(lau
 
 @pytest.mark.parametrize("argv", [
     ["--example", "nope"], ["--epochs", "0"], ["--max-steps", "-1"],
-    ["--lr", "0", "argument --lr: must be more than 0, not 0"], ["--lr", "nan"],
+    ["--lr", "0", "argument --lr: must be a finite number more than 0, not 0"], ["--lr", "nan"],
+    ["--lr", "inf", "must be a finite number more than 0, not inf"],
     ["--clip-grad-norm", "-1"], ["--accum-steps", "1" + "0" * 30],
     ["--seed", "4294967296", "must be from 0 to 2**32 - 1"], ["--device", "cpu", "--resume"],
     ["--example", "memory", "--run-dir", "x", "--run-dir is for --example resnet and linear"],
@@ -1296,7 +1496,7 @@ def test_cuda_trains_and_measures_its_peak_memory(precision, capsys, resnet18):
                      f"benchmark True\\) \\| precision {precision} \\|", out), out
     ok(argv + ["--example", "memory"])
     out = capsys.readouterr().out
-    assert re.search(r"^peak_bytes +[\d.]+ [KMG]iB +[\d.]+ [KMG]iB +[\d.]+$", out, re.M), out
+    assert re.search(r"^peak_bytes +[\d,.]+ MiB +[\d,.]+ MiB +[\d.]+$", out, re.M), out
 
 
 @requires_cuda
