@@ -48,25 +48,15 @@ AUTO_MAX_RATIO = 0.9
 TIMED_ROUNDS = 3
 # CIFAR-10's mean and standard deviation, by channel.
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-# The autograd nodes of a cast, and of the views that a weight copy may be seen through, by
-# their names before "Backward".
-VIEWS_AND_CASTS = {"T", "Transpose", "Permute", "View", "UnsafeView", "Expand", "Unsqueeze",
-                   "Squeeze", "Alias", "ToCopy"}
 # torchvision's googlenet and inception_v3 also return auxiliary logits in training. A plain
 # loss cannot take those. They also warn that their default initialization will change.
 TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
                                     {"aux_logits": False, "init_weights": True})
 # The memory table's unit for each kind of value, by the last word of a row's name.
 UNITS = {"bytes": (2**20, "MiB", 2), "seconds": (1e-3, "ms", 3), "second": (1, "/s", 0)}
-# A long epoch or measurement says how far it got this often, in seconds.
-PROGRESS_SECONDS = 15
 
-# These serve Part II. Some flags mean something to some examples only, and the others refuse
-# them. A training run keeps RUN_FLAGS in its checkpoint, and a resumed run goes on with them.
-EXAMPLES = ("resnet", "linear", "memory")
-FLAG_EXAMPLES = dict.fromkeys(["epochs", "lr", "clip_grad_norm", "accum_steps", "run_dir",
-                               "resume"], ["resnet", "linear"])
-FLAG_EXAMPLES.update(data=["resnet"], data_root=["resnet"], max_steps=["resnet"], model=["memory"])
+# These serve Part II. A training run keeps RUN_FLAGS in its checkpoint, and a resumed run goes
+# on with them.
 RUN_FLAGS = ("example", "precision", "batch_size", "seed", "epochs", "lr", "clip_grad_norm",
              "accum_steps", "data", "max_steps")
 
@@ -88,9 +78,7 @@ def to_device(batch, device):
         raise TypeError(f"a batch is an (inputs, targets) pair, not a {type(batch).__name__}: "
                         "see README, 'Models that compute their own loss'")
     inputs, targets = batch
-    named = {"inputs": inputs}
-    if isinstance(inputs, Mapping):
-        named = dict(inputs)
+    named = dict(inputs) if isinstance(inputs, Mapping) else {"inputs": inputs}
     for name, x in [*named.items(), ("targets", targets)]:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"the batch's {name} is a {type(x).__name__}, not a tensor: see "
@@ -212,8 +200,7 @@ def evaluate(model, loader, criterion, device, amp_dtype):
     model.eval()
     # The loss, the targets hit and the targets counted are summed on the device, and read
     # once at the end.
-    sums = torch.zeros(3, device=device)
-    samples = 0
+    sums, samples = torch.zeros(3, device=device), 0
     for batch in loader:
         inputs, targets = to_device(batch, device)
         # As in train_epoch. A padding target of -100 is never hit.
@@ -277,8 +264,10 @@ def native_16bit(device):
 def auto_amp(device):
     """The 16-bit precision that --precision auto trusts on `device`, or None. bf16 needs no
     GradScaler, so it comes first. fp16's GradScaler is trusted on CUDA alone."""
-    trusted = [bits for bits in native_16bit(device) if bits == "bf16" or device.type == "cuda"]
-    return (trusted + [None])[0]
+    native = native_16bit(device)
+    if "bf16" not in native and device.type != "cuda":
+        return None
+    return (native + [None])[0]
 
 
 def device_label(device):
@@ -325,10 +314,9 @@ def choose_precision(name, model, batch, criterion, device):
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
         # A CPU's bf16 is timed first.
         if (device.type, precision) == ("cpu", "bf16"):
-            fp32 = measure_training(model, batch, criterion, device, None, 1, math.inf, "fp32",
-                                    print0)
-            bf16 = measure_training(model, batch, criterion, device, torch.bfloat16, 1, math.inf,
-                                    "bf16", print0)
+            measure = functools.partial(measure_training, model, batch, criterion, device)
+            fp32 = measure(None, 1, math.inf, "fp32", print0)
+            bf16 = measure(torch.bfloat16, 1, math.inf, "bf16", print0)
             ratio = bf16["median_step_seconds"] / fp32["median_step_seconds"]
             if ratio > AUTO_MAX_RATIO:
                 precision = "fp32"
@@ -508,7 +496,7 @@ def build_example(args, device):
 
 # ---------- the examples' epoch loop
 
-def train_example(args, device, folder, state, notes):
+def train_example(args, device, folder, state):
     """The resnet and linear examples, as imagenet's main_worker. It builds the model, then
     trains, tests, prints and saves each epoch. folder saves the run: see RunFolder, and a
     NoFolder saves nothing. state is the checkpoint to go on from, or {}. Returns 0, or 1 if
@@ -526,10 +514,10 @@ def train_example(args, device, folder, state, notes):
         optimizer, lambda epoch: LR_GAMMA[args.example] ** (epoch // LR_STEP_EPOCHS))
     # The objects that a checkpoint saves, by the names it saves them under.
     objects = {"model": raw_model, "optimizer": optimizer, "scaler": scaler, "scheduler": scheduler}
-    metrics = []
+    metrics, notes = [], []
     if state:
         metrics = restore(state, objects, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
-        notes = [*notes, f"resumed from {args.run_dir} after epoch {len(metrics)}"]
+        notes = [f"resumed from {args.run_dir} after epoch {len(metrics)}"]
     # The linear example trains on its one batch.
     data = {"linear": "one batch"}.get(args.example, args.data)
     flags = {key: getattr(args, key) for key in RUN_FLAGS}
@@ -567,9 +555,8 @@ def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader,
     amp_dtype = PRECISIONS[args.precision]
     # The order, crops and flips come from the seed and the epoch. A resumed run sees the same.
     train_loader.epoch = epoch
-    batches = progress(train_loader, f"epoch {epoch + 1}: batch", print0)
     start = time.perf_counter()
-    stats = train_epoch(model, batches, optimizer, criterion, scaler, device, amp_dtype,
+    stats = train_epoch(model, train_loader, optimizer, criterion, scaler, device, amp_dtype,
                         clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps)
     seconds = time.perf_counter() - start
     # The mean train loss over every process's samples. Each process tests the whole test set
@@ -588,17 +575,6 @@ def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader,
             "seconds": seconds, "samples_per_second": samples / seconds, "processes": world_size()}
 
 
-def progress(items, label, log):
-    """Yields `items`. Every PROGRESS_SECONDS it logs how many of them are done, and the time
-    each took so far. So a slow run shows that it is alive, and how long it will take."""
-    start = last = time.perf_counter()
-    for done, item in enumerate(items, 1):
-        yield item
-        if time.perf_counter() - last >= PROGRESS_SECONDS:
-            last = time.perf_counter()
-            log(f"  {label} {done}/{len(items)} | {(last - start) / done:.3f} s each")
-
-
 def epoch_problem(record, model, loader, criterion, device):
     """Why training cannot go on after this epoch, and what to try; or None. In fp16 it also
     says where fp16 overflows on a batch of `loader`, if it does."""
@@ -609,8 +585,7 @@ def epoch_problem(record, model, loader, criterion, device):
     if dist.is_initialized():
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     # One host sync for all the model's tensors.
-    finite = finite.tolist()
-    problem = None
+    finite, problem = finite.tolist(), None
     # A mean loss of inf or NaN says that the epoch trained on nonsense, even where the weights
     # stayed finite. Every process has the same mean.
     if not math.isfinite(record["train_loss"]):
@@ -641,32 +616,24 @@ def epoch_line(record, epochs):
 
 @contextlib.contextmanager
 def count_saved_tensors(model):
-    """Counts the bytes that autograd saved for backward in the block, over all its passes.
-    The counts are ready on leaving the block. Weight copies are what autocast cast from a
-    weight to a lower precision, and do not grow with the batch. Activations are the rest."""
+    """Counts the bytes that autograd saved for backward in the block. The count is ready on
+    leaving the block. It holds autocast's 16-bit copies of the weights, which do not grow
+    with the batch, and the activations, which do."""
     saved = {}
 
     def pack(tensor):
-        # Back through views and casts to where the tensor began. Linear saves its weight copy
-        # transposed, and a tied head uses weight.T. A tensor that began at a weight is a copy
-        # of it, or a view that shares the weight's storage, which is dropped below. A tensor
-        # made from a weight, such as an embedding's output, is no copy.
-        node = tensor.grad_fn
-        while type(node).__name__.split("Backward")[0] in VIEWS_AND_CASTS:
-            node = node.next_functions[0][0]
-        copied = isinstance(getattr(node, "variable", None), nn.Parameter)
-        # The storage is kept to the end of the block: no later pass reuses its address.
-        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage(), copied
+        # By storage, so that a view counts once. The storage is kept to the end of the block,
+        # so that no later tensor reuses its address.
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
         return tensor
 
-    counts = {"activation_bytes": 0, "weight_copy_bytes": 0}
+    counts = {"saved_bytes": 0}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield counts
-    # A weight itself is no memory saved for backward: it is there anyway.
+    # A weight itself, or a view of it, is no memory saved for backward: it is there anyway.
     for weight in model.parameters():
         saved.pop(weight.untyped_storage().data_ptr(), None)
-    for storage, copied in saved.values():
-        counts[["activation_bytes", "weight_copy_bytes"][copied]] += storage.nbytes()
+    counts["saved_bytes"] = sum(storage.nbytes() for storage in saved.values())
 
 
 class FP16Rounding(TorchDispatchMode):
@@ -710,7 +677,9 @@ class FP16Rounding(TorchDispatchMode):
         """func's results, computed in fp32, and each rounded to the dtype that func gives it.
         A meta tensor has a shape and a dtype, and no data. func on meta tensors gives those
         dtypes, by torch's own rules, and costs nothing."""
-        meta = pytree.tree_map_only((torch.Tensor, torch.device), on_meta, (args, kwargs))
+        meta = pytree.tree_map_only(torch.Tensor, functools.partial(torch.Tensor.to, device="meta"),
+                                    (args, kwargs))
+        meta = pytree.tree_map_only(torch.device, lambda device: torch.device("meta"), meta)
         meta = pytree.tree_leaves(func(*meta[0], **meta[1]))
         wide = pytree.tree_map(widen, (args, kwargs))
         wide, spec = pytree.tree_flatten(func(*wide[0], **wide[1]))
@@ -729,13 +698,6 @@ class FP16Rounding(TorchDispatchMode):
                        bits.count_nonzero(), (bits >= 0x7C00).sum()]
                 place = f"{func.overloadpacket.__name__} in {self.modules[-1]}"
                 self.results[self.phase].append((place, torch.stack(row).double().cpu()))
-
-
-def on_meta(x):
-    """A tensor or a device, on the meta device."""
-    if isinstance(x, torch.device):
-        return torch.device("meta")
-    return x.to("meta")
 
 
 def widen(x):
@@ -759,30 +721,26 @@ def check_fp16(model, batch, criterion, device):
     already, as from a batch or a weight that holds them; or it is None. "zeroed" and "inf"
     are the shares of the nonzero fp16 gradients that fp16 makes zero and inf, as they are,
     and "_scaled" by 2**16. "largest_gradient" is the largest finite one, unscaled. "verdict"
-    says what to do.
+    says what to do, and "seconds" how long the check took.
     """
-    model = copy.deepcopy(model).to(device).train()
+    model, start = copy.deepcopy(model).to(device).train(), time.perf_counter()
     rounding, (inputs, targets) = FP16Rounding(model), to_device(batch, device)
     with rounding, torch.autocast(device.type, dtype=torch.float16):
         loss = criterion(model(**inputs) if isinstance(inputs, dict) else model(inputs), targets)
     for rounding.phase in (1, 2**16):
-        scaled = loss.float() * rounding.phase
         with rounding:
-            scaled.backward(retain_graph=True)
-    found = {"overflow": None, "bad": None,
-             "verdict": "no fp16 result of the forward pass is inf or NaN"}
-    # The first inf or NaN. Before it the values were finite, so fp16 made it where the fp32
-    # result is finite.
+            (loss.float() * rounding.phase).backward(retain_graph=True)
+    found = {"overflow": None, "bad": None, "verdict": "the forward pass makes no fp16 inf or NaN"}
+    # The first inf or NaN. Before it the values were finite. So fp16 made it where the fp32
+    # result is finite, and else the batch or the weights brought it.
     for place, (largest, _, _, inf) in rounding.results["forward"]:
         if inf:
-            found["overflow" if largest < math.inf else "bad"] = place
+            kind = ["bad", "overflow"][largest < math.inf]
+            found[kind], found["verdict"] = place, {
+                "overflow": f"fp16 overflows first at {place}: keep that in fp32 (README), or "
+                "train in bf16", "bad": f"{place} meets inf or NaN that fp16 did not make: look "
+                "at the batch and the weights"}[kind]
             break
-    if found["overflow"]:
-        found["verdict"] = (f"fp16 overflows first at {found['overflow']}: keep that in fp32 "
-                            "(README), or train in bf16")
-    if found["bad"]:
-        found["verdict"] = (f"{found['bad']} meets inf or NaN that fp16 did not make: look at "
-                            "the batch and the weights")
     for phase, suffix in (1, ""), (2**16, "_scaled"):
         # A row of zeros stands for a pass without fp16 results.
         rows = torch.stack([row for _, row in rounding.results[phase]] + [torch.zeros(4)])
@@ -790,7 +748,7 @@ def check_fp16(model, batch, criterion, device):
         found["largest_gradient" + suffix] = rows[:, 0].nan_to_num(0, 0).max().item()
         found["zeroed" + suffix] = (nonzero - nonzero_fp16) / max(nonzero, 1)
         found["inf" + suffix] = inf / max(nonzero, 1)
-    return found
+    return {**found, "seconds": time.perf_counter() - start}
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log):
@@ -798,10 +756,9 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
     autograd saves. After the warm-up, TIMED_ROUNDS rounds of at most `steps` steps are
     timed, as many as fit in `seconds`. Where torch keeps a peak of memory (CUDA, XPU), the
     timed steps' peak is read too."""
-    model = copy.deepcopy(model).to(device)
+    model, batch = copy.deepcopy(model).to(device), to_device(batch, device)
     optimizer = make_optimizer(model, LR)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
-    batch = to_device(batch, device)
     memory = torch.get_device_module(device.type)
 
     def seconds_a_step(n):
@@ -823,7 +780,7 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
         "steps are timed")
     if hasattr(memory, "max_memory_allocated"):
         memory.reset_peak_memory_stats(device)
-    timed = [seconds_a_step(per_round) for _ in progress(range(rounds), f"{label}: round", log)]
+    timed = [seconds_a_step(per_round) for _ in range(rounds)]
     if hasattr(memory, "max_memory_allocated"):
         measured["peak_bytes"] = memory.max_memory_allocated(device)
     # The middle round's steps.
@@ -837,7 +794,7 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     inputs and targets, in fp32 and with amp_dtype. amp_dtype is torch.bfloat16 or
     torch.float16, as train_epoch takes it. Each precision takes up to 3 warm-up steps. Then
     its steps are timed in 3 rounds of at most `steps` steps, as many as fit in `seconds`.
-    log() hears when each precision starts, how many steps it times, and how far slow ones got.
+    log() hears when each precision starts, and how many steps it times.
 
     Returns a dict with "fp32" and "bf16" or "fp16". Each holds the bytes that autograd saved
     for backward, as activations and as autocast's weight copies. Each holds the median step's
@@ -845,19 +802,16 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     check_fp16 found before any step, and the "seconds" it took. The labels that amp_report
     prints come too. The global RNG is left as it was.
     """
-    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(amp_dtype)
-    if precision is None:
-        raise ValueError(f"measure_amp takes torch.bfloat16 or torch.float16, not {amp_dtype!r}")
+    # Any other amp_dtype raises a KeyError.
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[amp_dtype]
     device = torch.device(device)
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
                 "precision": precision}
     # Dropout draws from the global RNG. The caller's next draws are those it would have had.
-    devices = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(devices, device_type=device.type):
+    # fork_rng keeps the global RNG, and the device's, but a CPU's, which is the global one.
+    with torch.random.fork_rng([device] * (device.type != "cpu"), device_type=device.type):
         log("checking fp16")
-        start = time.perf_counter()
         measured["fp16"] = check_fp16(model, batch, criterion, device)
-        measured["fp16"]["seconds"] = time.perf_counter() - start
         for label in ("fp32", precision):
             log(f"measuring {label}")
             measured[label] = measure_training(model, batch, criterion, device,
@@ -872,14 +826,11 @@ def amp_report(measured):
     fp32, amp, fp16 = measured["fp32"], measured[name], measured["fp16"]
     lines = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"]
     for key in fp32:
-        ratio = "n/a"
-        if fp32[key]:
-            ratio = f"{amp[key] / fp32[key]:.2f}"
-        lines.append(f"{key:<22}{cell(key, fp32[key]):>16}{cell(key, amp[key]):>16}{ratio:>12}")
+        ratio = amp[key] / fp32[key]
+        lines.append(f"{key:<22}{cell(key, fp32[key]):>16}{cell(key, amp[key]):>16}{ratio:>12.2f}")
     step = amp["median_step_seconds"] / fp32["median_step_seconds"]
-    # What autograd saves in all. AMP halves the activations, and adds its weight copies, of
-    # which fp32 makes none.
-    memory = (amp["activation_bytes"] + amp["weight_copy_bytes"]) / fp32["activation_bytes"]
+    # AMP halves the activations, and adds its weight copies, of which fp32 makes none.
+    memory = amp["saved_bytes"] / fp32["saved_bytes"]
     # Within 5% of fp32's time, the two are as fast as each other: a shared machine's steps
     # vary that much. bisect finds the band that the ratio falls in.
     speed = ["faster", "about as fast as fp32", "slower"][bisect.bisect([0.95, 1.05], step)]
@@ -909,7 +860,7 @@ def cell(key, value):
     return f"{value / scale:,.{decimals}f} {unit}"
 
 
-def run_memory(args, device, notes):
+def run_memory(args, device):
     """The memory example. measure_amp measures --model on a batch of random data. The model is
     the post's Linear(10, 1) problem, or an image model from image_classifier. An image model
     is in the device's image_layout. Returns 0."""
@@ -927,10 +878,9 @@ def run_memory(args, device, notes):
         model, criterion = model.to(memory_format=image_layout(device)), nn.CrossEntropyLoss()
         batch = torch.randn(args.batch_size, 3, side, side), torch.randint(0, 10, [args.batch_size])
     print0(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
-        f"{args.model} | batch {args.batch_size}", *precision_notes, *notes)
-    measured = measure_amp(model, batch, criterion, device, PRECISIONS[precision], name=args.model,
-                           log=print0)
-    print0(*amp_report(measured))
+        f"{args.model} | batch {args.batch_size}", *precision_notes)
+    print0(*amp_report(measure_amp(model, batch, criterion, device, PRECISIONS[precision],
+                                   name=args.model, log=print0)))
     return 0
 
 
@@ -1179,8 +1129,9 @@ def make_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
-    add("--example", default="resnet", choices=EXAMPLES, help="resnet: ResNet18 on CIFAR-10; "
-        "linear: the post's Linear(10, 1); memory: fp32 and AMP side by side")
+    add("--example", default="resnet", choices=["resnet", "linear", "memory"],
+        help="resnet: ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); memory: fp32 and "
+        "AMP side by side")
     add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps", "xpu"],
         help="auto: torch's accelerator if it finds one, else cpu")
     add("--precision", default="auto", choices=["auto", *PRECISIONS],
@@ -1212,28 +1163,19 @@ def make_parser():
 
 
 def parse_args(argv, state):
-    """The flags, checked, and the notes to print before training. Any mistake ends in one line
-    and exit 2, through main(). A resumed run goes on with the flags of its checkpoint,
-    `state`, which is {} for none. They are the defaults, and each flag given again comes with
-    a note."""
-    saved, notes = state.get("args", {}), []
+    """The flags, checked. Any mistake ends in one line and exit 2, through main(). A resumed
+    run goes on with the flags of its checkpoint, `state`, which is {} for none. They are the
+    defaults, so a flag given again replaces the checkpoint's. A flag that an example does not
+    use is ignored, as --help says."""
+    saved = state.get("args", {})
     parser = make_parser()
     parser.set_defaults(**saved)
     args = parser.parse_args(argv)
-    # Parsed again into a namespace that holds None for each flag. argparse sets no default on
-    # a name already there, so a flag that is not None was given.
-    given = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args))))
-    for key, value in vars(given).items():
-        name, examples = key.replace("_", "-"), FLAG_EXAMPLES.get(key, EXAMPLES)
-        if value is not None and args.example not in examples:
-            raise UsageError(f"--{name} is for --example {' and '.join(examples)}")
-        if value not in (None, saved.get(key, value)):
-            notes.append(f"note: --{name} {value} replaces the checkpoint's {saved[key]}")
     if args.resume and args.run_dir is None:
         raise UsageError("--resume needs --run-dir DIR")
     if saved.get("example", args.example) != args.example:
         raise UsageError(f"{args.run_dir} holds a {saved['example']} run: use another --run-dir")
-    return args, notes
+    return args
 
 
 def main(argv):
@@ -1241,7 +1183,7 @@ def main(argv):
     each end in one line. A bug keeps its traceback, and so does running out of memory."""
     folder = NoFolder()
     try:
-        args, _ = parse_args(argv, {})
+        args = parse_args(argv, {})
         device = resolve_device(args.device)
         # The examples' batches keep their shape, but for a smaller last test batch. So cuDNN
         # may time each convolution's algorithms once, and keep the fastest, for fp32 and AMP.
@@ -1249,10 +1191,10 @@ def main(argv):
         # torchrun's processes meet first. Rank 0 opens the folder, and all go on from its
         # checkpoint.
         folder, state = open_run_folder(args, join_processes(device))
-        args, notes = parse_args(argv, state)
+        args = parse_args(argv, state)
         if args.example == "memory":
-            return run_memory(args, device, notes)
-        status = train_example(args, device, folder, state, notes)
+            return run_memory(args, device)
+        status = train_example(args, device, folder, state)
         # Every process ends its last collective before any leaves the group.
         if dist.is_initialized():
             dist.barrier()
