@@ -209,11 +209,10 @@ def evaluate(model, loader, criterion, device, amp_dtype):
             outputs = model(**inputs) if isinstance(inputs, dict) else model(inputs)
             sums[0] += criterion(outputs, targets).float() * count
         # A model that computes its own loss returns no logits to hit.
-        hits = torch.tensor(math.nan)
+        hits = torch.tensor(math.nan, device=device)
         if isinstance(outputs, torch.Tensor):
             hits = (outputs.argmax(dim=-1) == targets).sum()
-        sums[1] += hits
-        sums[2] += count
+        sums[1:] += torch.stack([hits, count])
         samples += len(targets)
     loss, accuracy, _ = (sums / sums[2]).tolist()
     return {"loss": loss, "accuracy": accuracy, "samples": samples}
@@ -262,12 +261,12 @@ def native_16bit(device):
 
 
 def auto_amp(device):
-    """The 16-bit precision that --precision auto trusts on `device`, or None. bf16 needs no
+    """The 16-bit precision that --precision auto trusts on `device`, or fp32. bf16 needs no
     GradScaler, so it comes first. fp16's GradScaler is trusted on CUDA alone."""
     native = native_16bit(device)
     if "bf16" not in native and device.type != "cuda":
-        return None
-    return (native + [None])[0]
+        return "fp32"
+    return (native + ["fp32"])[0]
 
 
 def device_label(device):
@@ -310,7 +309,7 @@ def choose_precision(name, model, batch, criterion, device):
             raise UsageError(f"{name} does not train on mps here (README's table): use "
                              f"--precision {' or '.join([*native, 'fp32'])}, or --device cpu")
     if name == "auto":
-        precision = auto_amp(device) or "fp32"
+        precision = auto_amp(device)
         notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
         # A CPU's bf16 is timed first.
         if (device.type, precision) == ("cpu", "bf16"):
@@ -523,8 +522,8 @@ def train_example(args, device, folder, state):
     flags = {key: getattr(args, key) for key in RUN_FLAGS}
     print0(f"amp_train | example {args.example} | torch {torch.__version__} | device "
            f"{device_label(device)} | precision {args.precision} | data {data} | batch "
-           f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | "
-           f"epochs {args.epochs}", *precision_notes, *notes)
+           f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
+           f"{args.epochs}", *precision_notes, *notes)
     # DDP averages the gradients in backward. So every process's scaler sees the same ones,
     # and skips the same steps.
     model = raw_model
@@ -688,15 +687,17 @@ class FP16Rounding(TorchDispatchMode):
         return pytree.tree_unflatten(results, spec)
 
     def record(self, func, wide, results):
-        """Keeps what fp16 made of each fp16 result, as a row of 4 figures."""
+        """Keeps what fp16 made of each fp16 result, as a row of 4 figures. The result of an
+        op such as empty_like is memory that nothing wrote yet, so it is left out."""
+        place = f"{func.overloadpacket.__name__} in {self.modules[-1]}"
         for value, rounded in zip(wide, results):
-            if getattr(rounded, "dtype", None) == torch.float16 and rounded.numel():
+            fp16 = getattr(rounded, "dtype", None) == torch.float16
+            if fp16 and rounded.numel() and not place.startswith(("empty", "new_empty")):
                 # fp16's bits less the sign: 0 is zero, 0x7c00 is inf, and more is NaN. amax
                 # and amin take NaN as the largest.
                 bits = rounded.view(torch.int16) & 0x7FFF
                 row = [torch.maximum(value.amax(), -value.amin()), value.count_nonzero(),
                        bits.count_nonzero(), (bits >= 0x7C00).sum()]
-                place = f"{func.overloadpacket.__name__} in {self.modules[-1]}"
                 self.results[self.phase].append((place, torch.stack(row).double().cpu()))
 
 
@@ -866,7 +867,7 @@ def run_memory(args, device):
     is in the device's image_layout. Returns 0."""
     # It compares AMP with fp32. Its "auto" is the precision that auto_amp trusts, or else bf16.
     # Whether AMP pays is what it measures.
-    precision = args.precision.replace("auto", auto_amp(device) or "bf16")
+    precision = args.precision.replace("auto", auto_amp(device).replace("fp32", "bf16"))
     if precision == "fp32":
         raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
     precision, precision_notes = choose_precision(precision, None, None, None, device)
