@@ -696,9 +696,10 @@ class FP16Rounding(TorchDispatchMode):
                 # fp16's bits less the sign: 0 is zero, 0x7c00 is inf, and more is NaN. amax
                 # and amin take NaN as the largest.
                 bits = rounded.view(torch.int16) & 0x7FFF
-                row = [torch.maximum(value.amax(), -value.amin()), value.count_nonzero(),
+                # In float64, which holds the counts exactly. fp16 would make them inf.
+                row = [torch.maximum(value.amax(), -value.amin()).double(), value.count_nonzero(),
                        bits.count_nonzero(), (bits >= 0x7C00).sum()]
-                self.results[self.phase].append((place, torch.stack(row).double().cpu()))
+                self.results[self.phase].append((place, torch.stack(row).cpu()))
 
 
 def widen(x):
