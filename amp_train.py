@@ -799,8 +799,8 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     log() hears when each precision starts, and how many steps it times.
 
     Returns a dict with "fp32" and "bf16" or "fp16". Each holds the bytes that autograd saved
-    for backward, as activations and as autocast's weight copies. Each holds the median step's
-    time, the samples per second, and on CUDA and XPU the peak memory. "fp16" holds what
+    for backward, the activations and autocast's weight copies. Each holds the median step's
+    time, the samples per second, and on CUDA and XPU the peak memory. "fp16_check" holds what
     check_fp16 found before any step, and the "seconds" it took. The labels that amp_report
     prints come too. The global RNG is left as it was.
     """
@@ -813,7 +813,7 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     # fork_rng keeps the global RNG, and the device's, but a CPU's, which is the global one.
     with torch.random.fork_rng([device] * (device.type != "cpu"), device_type=device.type):
         log("checking fp16")
-        measured["fp16"] = check_fp16(model, batch, criterion, device)
+        measured["fp16_check"] = check_fp16(model, batch, criterion, device)
         for label in ("fp32", precision):
             log(f"measuring {label}")
             measured[label] = measure_training(model, batch, criterion, device,
@@ -825,7 +825,7 @@ def amp_report(measured):
     """measure_amp's result as lines. fp32 and AMP stand side by side, with their ratio. What
     fp16 does follows. The last line is a verdict to paste into a bug report."""
     name = measured["precision"]
-    fp32, amp, fp16 = measured["fp32"], measured[name], measured["fp16"]
+    fp32, amp, fp16 = measured["fp32"], measured[name], measured["fp16_check"]
     lines = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"]
     for key in fp32:
         ratio = amp[key] / fp32[key]

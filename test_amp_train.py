@@ -216,7 +216,10 @@ def test_readmes_own_loss_block_trains_each_form_as_the_docs_loop_and_measures_w
     model, batch = nn.Sequential(small_model(), nn.Dropout()), (torch.randn(4, 3, 8, 8),
                                                                  torch.arange(4))
     before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
-    amp_train.measure_amp(model, batch, nn.CrossEntropyLoss(), CPU, FP16, steps=1, log=len)
+    measured = amp_train.measure_amp(model, batch, nn.CrossEntropyLoss(), CPU, FP16, steps=1,
+                                     log=len)
+    # fp16's own figures and the check's stand apart in the report.
+    assert "fp16 steps take" in amp_train.amp_report(measured)[-1], measured
     assert torch.equal(rng, torch.get_rng_state()), "the global RNG moved on"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "model changed"
 
@@ -1015,7 +1018,8 @@ def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_t
                 r"fp16 as autocast runs it here, checked on this batch in [\d.]+ s, as long as "
                 r"[\d.]+ fp32 steps:",
                 r"  fp16 makes 0\.00% of the nonzero gradients zero, and 0\.00% inf",
-                r"  the largest gradient is 0\.8\d+, so the GradScaler's scale settles near 2\*\*16",
+                r"  the largest gradient is 0\.8\d+, so the GradScaler's scale settles near "
+                r"2\*\*16",
                 r"verdict: linear, batch 128, cpu \(16-bit instructions: \[\]\), torch .*: bf16 "
                 r"steps take [\d.]+x fp32's time, 0\.\d\dx its memory saved for backward; AMP is "
                 r".* here; the forward pass makes no fp16 inf or NaN"):
@@ -1033,7 +1037,7 @@ def test_the_verdict_says_faster_beyond_5_percent_and_each_value_comes_in_its_ki
     fp16 = {"zeroed": 0.5, "inf": 0.0, "zeroed_scaled": 0.01, "inf_scaled": 0.25,
             "largest_gradient": 3.0, "seconds": 1e-4, "verdict": "fp16 overflows first at bmm"}
     lines = amp_train.amp_report({"name": "m", "batch": 1, "device": "cpu", "precision": "bf16",
-                                  "fp32": fp32, "bf16": amp, "fp16": fp16})
+                                  "fp32": fp32, "bf16": amp, "fp16_check": fp16})
     assert lines[-1].endswith(f" 0.75x its memory saved for backward; AMP is {speed} here; "
                               "fp16 overflows first at bmm"), lines[-1]
     assert lines[1:4] == ["saved_bytes                   0.00 MiB        0.00 MiB        0.75",
