@@ -480,10 +480,10 @@ def fake_accelerator(monkeypatch, kind, capability=(9, 0), macos=14):
 
 
 @pytest.mark.parametrize("row,kind,capability,macos,found,auto,set_up,not_native", [
-    ("CUDA, compute capability 8.0 on", "cuda", (9, 0), 14, [], "bf16", BF16, []),
+    ("CUDA, compute capability 8.0 or newer", "cuda", (9, 0), 14, [], "bf16", BF16, []),
     ("CUDA, compute capability 7.x", "cuda", (7, 5), 14, [], "fp16", FP16, ["bf16"]),
     ("CUDA before 7.0", "cuda", (6, 1), 14, [], "fp32", None, ["bf16", "fp16"]),
-    ("Apple silicon, macOS 14 on", "mps", None, 14, [], "bf16", BF16, ["fp16"]),
+    ("Apple silicon, macOS 14 or newer", "mps", None, 14, [], "bf16", BF16, ["fp16"]),
     ("Apple silicon, macOS 13", "mps", None, 13, [], "fp32", None, ["bf16", "fp16"]),
     ("Intel GPU", "xpu", None, 14, [], "bf16", BF16, []),
     ("CPU with bf16 instructions", "cpu", None, 14, ["amx_bf16", "avx512_bf16"], "bf16", BF16,
