@@ -645,9 +645,9 @@ class FP16Rounding(TorchDispatchMode):
 
     def __init__(self, model):
         super().__init__()
-        # The modules being run, innermost last, by their paths. Below them is the loss.
+        # The modules being run, innermost last, by their paths, and below them the loss. The
+        # results by phase: the forward pass, and the backward passes by their scale.
         self.modules, self.phase = ["the loss"], "forward"
-        # The results by phase: the forward pass, and the backward passes by their scale.
         self.results = {"forward": [], 1: [], 2**16: []}
         for name, module in model.named_modules():
             module.register_forward_pre_hook(functools.partial(self.enter, repr(name)))
@@ -696,9 +696,12 @@ class FP16Rounding(TorchDispatchMode):
                 # fp16's bits less the sign: 0 is zero, 0x7c00 is inf, and more is NaN. amax
                 # and amin take NaN as the largest.
                 bits = rounded.view(torch.int16) & 0x7FFF
-                # In float64, which holds the counts exactly. fp16 would make them inf.
-                row = [torch.maximum(value.amax(), -value.amin()).double(), value.count_nonzero(),
-                       bits.count_nonzero(), (bits >= 0x7C00).sum()]
+                # A value in fp16 comes from an op that ran in fp16, such as an in-place one. Its
+                # first inf is fp16's, as the values before were finite, so it is capped to count
+                # as an overflow. The row is in float64, which holds the counts exactly.
+                cap = [math.inf, 65520.0][value.dtype == torch.float16]
+                row = [torch.maximum(value.amax(), -value.amin()).double().clamp(max=cap),
+                       value.count_nonzero(), bits.count_nonzero(), (bits >= 0x7C00).sum()]
                 self.results[self.phase].append((place, torch.stack(row).cpu()))
 
 
@@ -706,9 +709,8 @@ def widen(x):
     """x, or fp32 where it is an fp16 tensor or the fp16 dtype."""
     if isinstance(x, torch.Tensor) and x.dtype == torch.float16:
         return x.float()
-    if x is torch.float16:
-        return torch.float32
-    return x
+    # Every other value that an op takes, such as a dtype, a device or a number, is hashable.
+    return {torch.float16: torch.float32}.get(x, x)
 
 
 def check_fp16(model, batch, criterion, device):

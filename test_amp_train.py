@@ -209,9 +209,8 @@ def test_readmes_own_loss_block_trains_each_form_as_the_docs_loop_and_measures_w
     # measure_amp takes what train_epoch takes: here dict inputs and the model's own loss.
     measured, fp32, bf16 = user["measured"], user["measured"]["fp32"], user["measured"]["bf16"]
     assert 0.4 <= bf16["saved_bytes"] / fp32["saved_bytes"] <= 1.0, measured
-    assert bf16["samples_per_second"] == pytest.approx(16 / bf16["median_step_seconds"])
-    assert (measured["name"], measured["batch"], "peak_bytes" in bf16) == ("model", 16, False)
-    assert "its memory saved for backward; AMP is" in out
+    assert (measured["batch"], bf16["samples_per_second"]) == (16, pytest.approx(
+        16 / bf16["median_step_seconds"])) and "its memory saved for backward; AMP is" in out
     # It leaves the model, its buffers and the global RNG as they were, with dropout too.
     model, batch = nn.Sequential(small_model(), nn.Dropout()), (torch.randn(4, 3, 8, 8),
                                                                  torch.arange(4))
@@ -275,17 +274,6 @@ def test_a_gradient_left_from_before_never_reaches_a_step():
     train(model, [batch], optimizer, scaler)
     train(clean, [batch], clean_optimizer, clean_scaler)
     assert torch.equal(model.weight, clean.weight), "an old gradient reached the step"
-
-
-def test_the_loss_is_the_mean_per_sample_over_batches_of_any_size_and_nan_for_none():
-    model = nn.Linear(1, 1, bias=False)
-    nn.init.zeros_(model.weight)
-    batches = [(torch.zeros(3, 1), torch.ones(3, 1)), (torch.zeros(1, 1), torch.full((1, 1), 3.))]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    stats = train(model, batches, optimizer, None)
-    assert stats == {"loss": pytest.approx((3 * 1 + 9) / 4), "samples": 4}, stats
-    stats = train(model, [], optimizer, None)
-    assert math.isnan(stats["loss"]) and stats["samples"] == 0, stats
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")  # torch's note when step 1 is skipped
@@ -399,6 +387,7 @@ def test_padded_tokens_step_and_test_as_their_whole_batch_by_the_tokens_they_cou
     assert torch.allclose(stepped[0][0], stepped[1][0], atol=1e-6, rtol=0), "not the whole batch"
     assert stepped[0][1] == pytest.approx(stepped[1][1], rel=1e-6), "not the mean over tokens"
     assert tested[0] == pytest.approx(tested[1], rel=1e-6), "evaluate's mean is not over tokens"
+    assert math.isnan(amp_train.train_epoch(model, [], None, None, None, CPU, None)["loss"])
 
 
 def test_each_micro_batch_reaches_the_device_just_before_its_forward_and_ddp_syncs_on_the_last(
@@ -886,6 +875,30 @@ class KeptInFP32(nn.Sequential):
             return self[1](x.float() * 1e6)
 
 
+class ZeroesARowInPlace(nn.Linear):
+    """Writes zeros into its output's first row through a view, before values that fp16 would
+    hold only without that row."""
+
+    def forward(self, x):
+        h = super().forward(x)
+        h[0] = 0
+        return h * 100
+
+
+class DoublesInPlace(nn.Linear):
+    """Takes 16 ones to 4 outputs of 40000, and adds them to themselves in place, which fp16
+    makes inf."""
+
+    def __init__(self):
+        super().__init__(16, 4, bias=False)
+        nn.init.constant_(self.weight, 2500)
+
+    def forward(self, x):
+        h = super().forward(torch.ones_like(x))
+        h += h
+        return h
+
+
 def scaled(module, factor):
     module.weight.data *= factor
     return module
@@ -912,7 +925,11 @@ FP16_CASES = {
         128, 4), 300)), x, None, None),
     "a zero-initialized model": lambda x: (nn.Sequential(nn.Flatten(), scaled(nn.Linear(
         128, 4), 0)), x, None, None),
-    "a loss of 0": lambda x: (nn.Linear(16, 4), x, lambda out, _: out.float().sum() * 0, None)}
+    "a loss of 0": lambda x: (nn.Linear(16, 4), x, lambda out, _: out.float().sum() * 0, None),
+    "a sum past 65504 in place": lambda x: (nn.Sequential(DoublesInPlace(), nn.Flatten(),
+                                                          nn.Linear(32, 4)), x, None, None),
+    "a row zeroed in place": lambda x: (nn.Sequential(ZeroesARowInPlace(16, 4), nn.Flatten()),
+                                        x.index_fill(0, torch.tensor([0]), 1e3), None, None)}
 
 
 def fp16_case(name):
@@ -941,7 +958,8 @@ def real_fp16(model, batch, criterion):
     ("a frozen backbone", "addmm in '0'", None), ("inf in the data", None, "_to_copy in '0.qkv'"),
     ("a head kept in fp32", None, None), ("a summed MSE loss", None, None),
     ("a scaled embedding", None, None), ("gradients past 65504 at 2**16", None, None),
-    ("a zero-initialized model", None, None), ("a loss of 0", None, None)])
+    ("a zero-initialized model", None, None), ("a loss of 0", None, None),
+    ("a row zeroed in place", None, None), ("a sum past 65504 in place", "add_ in '0'", None)])
 def test_the_fp16_check_finds_what_a_real_fp16_step_meets_where_it_meets_it(name, overflow, bad):
     model, batch, criterion = fp16_case(name)
     before = copy.deepcopy(model.state_dict())
@@ -950,8 +968,6 @@ def test_the_fp16_check_finds_what_a_real_fp16_step_meets_where_it_meets_it(name
     assert (found["overflow"], found["bad"]) == (overflow, bad), found
     assert loss_finite == (overflow is bad is None), "the real loss says otherwise"
     assert (found["inf"] == 0, found["inf_scaled"] == 0) == (gradients_finite, scaled_finite), found
-    assert found["verdict"].startswith(("the forward pass makes no", "fp16 overflows first at",
-                                        f"{bad} meets inf")[bool(overflow) + 2 * bool(bad)])
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "model changed"
 
 
