@@ -720,9 +720,9 @@ def check_fp16(model, batch, criterion, device):
     scale, 2**16. The ops that autocast keeps in fp32 stay in fp32.
 
     Returns a dict. "overflow" names the first op of the forward pass whose fp16 result is inf
-    or NaN while its fp32 result is finite, and the module that ran it by its path in
-    named_modules(); or it is None. "bad" names the first whose fp32 result is inf or NaN
-    already, as from a batch or a weight that holds them; or it is None. "zeroed" and "inf"
+    or NaN, where its fp32 result is finite, or it is None. The op comes with the path of the
+    module that ran it, as named_modules() gives it. "bad" names such an op whose fp32 result is
+    inf or NaN already, as from a batch or a weight that holds them, or it is None. "zeroed" and "inf"
     are the shares of the nonzero fp16 gradients that fp16 makes zero and inf, as they are,
     and "_scaled" by 2**16. "largest_gradient" is the largest finite one, unscaled. "verdict"
     says what to do, and "seconds" how long the check took.
