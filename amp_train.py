@@ -722,10 +722,10 @@ def check_fp16(model, batch, criterion, device):
     Returns a dict. "overflow" names the first op of the forward pass whose fp16 result is inf
     or NaN, where its fp32 result is finite, or it is None. The op comes with the path of the
     module that ran it, as named_modules() gives it. "bad" names such an op whose fp32 result is
-    inf or NaN already, as from a batch or a weight that holds them, or it is None. "zeroed" and "inf"
-    are the shares of the nonzero fp16 gradients that fp16 makes zero and inf, as they are,
-    and "_scaled" by 2**16. "largest_gradient" is the largest finite one, unscaled. "verdict"
-    says what to do, and "seconds" how long the check took.
+    inf or NaN already, as from a batch or a weight that holds them, or it is None. "zeroed"
+    and "inf" are the shares of the nonzero fp16 gradients that fp16 makes zero and inf, as
+    they are, and "_scaled" by 2**16. "largest_gradient" is the largest finite one, unscaled.
+    "verdict" says what to do, and "seconds" how long the check took.
     """
     model, start = copy.deepcopy(model).to(device).train(), time.perf_counter()
     rounding, (inputs, targets) = FP16Rounding(model), to_device(batch, device)
