@@ -635,47 +635,94 @@ def count_saved_tensors(model):
     counts["saved_bytes"] = sum(storage.nbytes() for storage in saved.values())
 
 
-class FP16Rounding(TorchDispatchMode):
-    """Sees each op that torch runs under autocast and autograd, forward and backward, while it
-    is on. An op whose result autocast makes fp16 runs in fp32 here, and its result is rounded
-    to fp16, as tensor cores round theirs. A CPU emulates fp16's own kernels, up to 400x slower
-    than fp32's, so this costs a few fp32 steps instead. For each fp16 result it keeps the
-    phase, the op, and the module that ran it. It keeps the largest magnitude before rounding,
-    and how many values were nonzero before it, and are nonzero, and inf or NaN, after it."""
+class FP16Check(TorchDispatchMode):
+    """The passes that check_fp16 runs on a copy of `model`, and what it sees of each op in
+    them, forward and backward. A pass runs in fp32, or in fp16 as autocast runs it. Then an op
+    whose result autocast makes fp16 runs in fp32 here, and its result is rounded to fp16, as
+    tensor cores round theirs. A CPU emulates fp16's own kernels, up to 400x slower than fp32's,
+    so this costs a few fp32 steps instead.
 
-    def __init__(self, model):
+    Ops are counted from 0 in each pass. Of each op it keeps its place, the op and the module
+    that ran it, and whether it made inf or NaN from inputs that held none. Of each fp16 result
+    it keeps the largest magnitude before rounding, by phase: the forward pass, or the backward
+    pass by its scale."""
+
+    def __init__(self, model, batch, criterion, device):
         super().__init__()
-        # The modules being run, innermost last, by their paths, and below them the loss. The
-        # results by phase: the forward pass, and the backward passes by their scale.
-        self.modules, self.phase = ["the loss"], "forward"
-        self.results = {"forward": [], 1: [], 2**16: []}
-        for name, module in model.named_modules():
+        self.model, self.device = copy.deepcopy(model).to(device).train(), device
+        self.inputs, self.targets = to_device(batch, device)
+        self.criterion, self.ends = criterion, []
+        self.weights = [w for w in self.model.parameters() if w.requires_grad]
+        for name, module in self.model.named_modules():
             module.register_forward_pre_hook(functools.partial(self.enter, repr(name)))
             module.register_forward_hook(self.leave)
 
-    def enter(self, name, *hook_args):
+    def enter(self, name, module, args):
         self.modules.append(name)
+        # The autograd nodes of this module's ops end where those of its inputs begin.
+        self.ends.append({x.grad_fn for x in filter(torch.is_tensor, pytree.tree_leaves(args))})
 
-    def leave(self, *hook_args):
-        self.modules.pop()
+    def leave(self, module, args, outputs):
+        """Names the autograd nodes that the module's ops made, which no module inside it named,
+        so that their backward ops are named by the module too."""
+        name, seen = self.modules.pop(), {None, *self.ends.pop()}
+        nodes = [x.grad_fn for x in filter(torch.is_tensor, pytree.tree_leaves(outputs))]
+        while nodes:
+            node = nodes.pop()
+            if node not in seen:
+                seen.add(node)
+                nodes += [next_node for next_node, _ in node.next_functions]
+                if node.metadata.setdefault("module", name) == name:
+                    node.register_prehook(functools.partial(self.backward_in, name))
+
+    def backward_in(self, name, *hook_args):
+        self.modules[-1] = name
+
+    def run(self, rounds, tracked=False, keep=math.inf):
+        """A forward pass, in fp16 where `rounds`, and the weights' gradients of its loss. Where
+        `tracked`, it keeps which ops make inf or NaN from finite inputs, and ops from `keep` on
+        make none: their results are made finite. Returns the loss, the gradients, and whether
+        all of them are finite."""
+        self.rounds, self.tracked, self.keep, self.places, self.made = rounds, tracked, keep, [], []
+        self.largest, self.phase, self.modules = {}, "forward", ["the loss"]
+        # Each pass draws the same dropout masks, and leaves the global RNG as it found it.
+        with same_rng(self.device), self, torch.autocast(self.device.type, dtype=torch.float16,
+                                                         enabled=rounds):
+            outputs = self.model(**self.inputs) if isinstance(self.inputs, dict) else self.model(
+                self.inputs)
+            loss = self.criterion(outputs, self.targets)
+        gradients = self.gradients(loss, 1)
+        return loss, gradients, all_finite([loss, *gradients], self.device).item()
+
+    def gradients(self, loss, scale):
+        """The weights' gradients of the loss times `scale`. Checkpointing changes none."""
+        # The backward ops of the loss come first, and those of each module then take its name.
+        self.phase, self.modules = scale, ["the loss"]
+        with self:
+            return torch.autograd.grad(loss.float() * scale, self.weights, retain_graph=True,
+                                       materialize_grads=True)
 
     def __torch_dispatch__(self, func, types, args, kwargs):
-        # Views and in-place ops keep their tensors, so they run as they are, in fp16. So
-        # does an op with no meta kernel, which rounded() needs, or with no fp32 kernel, as
-        # flash attention has none.
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            if not (func._schema.is_mutable or func.is_view):
-                return self.rounded(func, args, kwargs)
-        results = func(*args, **kwargs)
         # A view holds no new values.
-        if not func.is_view:
-            self.record(func, pytree.tree_leaves(results), pytree.tree_leaves(results))
-        return results
+        if func.is_view:
+            return func(*args, **kwargs)
+        # Only blame's passes follow inf and NaN op by op. They read the inputs before the op
+        # runs, since an in-place op changes them.
+        finite_inputs = None
+        if self.tracked:
+            finite_inputs = all_finite(pytree.tree_leaves((args, kwargs)), self.device)
+        # In-place ops keep their tensors, so they run as they are, in fp16. So does an op
+        # with no meta kernel, which rounded() needs, or with no fp32 kernel, as flash
+        # attention has none.
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            if self.rounds and not func._schema.is_mutable:
+                return self.note(func, finite_inputs, self.rounded(func, args, kwargs))
+        return self.note(func, finite_inputs, func(*args, **kwargs))
 
     def rounded(self, func, args, kwargs):
         """func's results, computed in fp32, and each rounded to the dtype that func gives it.
-        A meta tensor has a shape and a dtype, and no data. func on meta tensors gives those
-        dtypes, by torch's own rules, and costs nothing."""
+        A meta tensor has a shape and a dtype, and no data. func on meta tensors gives
+        those dtypes, by torch's own rules, and costs nothing."""
         meta = pytree.tree_map_only(torch.Tensor, functools.partial(torch.Tensor.to, device="meta"),
                                     (args, kwargs))
         meta = pytree.tree_map_only(torch.device, lambda device: torch.device("meta"), meta)
@@ -683,26 +730,37 @@ class FP16Rounding(TorchDispatchMode):
         wide = pytree.tree_map(widen, (args, kwargs))
         wide, spec = pytree.tree_flatten(func(*wide[0], **wide[1]))
         results = [x.to(m.dtype) if isinstance(m, torch.Tensor) else x for x, m in zip(wide, meta)]
-        self.record(func, wide, results)
         return pytree.tree_unflatten(results, spec)
 
-    def record(self, func, wide, results):
-        """Keeps what fp16 made of each fp16 result, as a row of 4 figures. The result of an
-        op such as empty_like is memory that nothing wrote yet, so it is left out."""
-        place = f"{func.overloadpacket.__name__} in {self.modules[-1]}"
-        for value, rounded in zip(wide, results):
-            fp16 = getattr(rounded, "dtype", None) == torch.float16
-            if fp16 and rounded.numel() and not place.startswith(("empty", "new_empty")):
-                # fp16's bits less the sign: 0 is zero, 0x7c00 is inf, and more is NaN. amax
-                # and amin take NaN as the largest.
-                bits = rounded.view(torch.int16) & 0x7FFF
-                # A value in fp16 comes from an op that ran in fp16, such as an in-place one. Its
-                # first inf is fp16's, as the values before were finite, so it is capped to count
-                # as an overflow. The row is in float64, which holds the counts exactly.
-                cap = [math.inf, 65520.0][value.dtype == torch.float16]
-                row = [torch.maximum(value.amax(), -value.amin()).double().clamp(max=cap),
-                       value.count_nonzero(), bits.count_nonzero(), (bits >= 0x7C00).sum()]
-                self.results[self.phase].append((place, torch.stack(row).cpu()))
+    def note(self, func, finite_inputs, results):
+        """Keeps what the op made, and returns its results. The result of an op such as
+        empty_like is memory that nothing wrote yet, so its largest value is left out."""
+        self.places.append(f"{func.overloadpacket.__name__} in {self.modules[-1]}")
+        leaves = pytree.tree_leaves(results)
+        if len(self.places) > self.keep:
+            for x in filter(torch.is_floating_point, filter(torch.is_tensor, leaves)):
+                x.copy_(torch.where(finite_inputs, x.nan_to_num(), x))
+        if self.tracked:
+            self.made.append(finite_inputs & ~all_finite(leaves, self.device))
+        largest = self.largest.setdefault(self.phase, [])
+        for x in filter(torch.is_tensor, leaves):
+            if x.dtype == torch.float16 and x.numel() and "empty" not in self.places[-1]:
+                largest.append(x.abs().amax().double())
+        return results
+
+    def blame(self, rounds):
+        """The place of the first op whose inf or NaN reaches the loss or a weight's gradient.
+        Such an op makes inf or NaN from finite inputs, and those ops are bisected. Keeping the
+        inf and NaN of the ops up to op i, and making later ones finite, leaves the loss and
+        gradients finite for each i before that op, and not from it on. Up to the last such
+        op, that is the pass itself, whose gradients are not finite, so bisect finds one."""
+        self.run(rounds, tracked=True)
+        places, origins = self.places, torch.stack(self.made).nonzero().flatten().tolist()
+
+        def reaches(i):
+            # Whether inf or NaN reach the loss or a gradient, where no op after i makes any.
+            return not self.run(rounds, True, i + 1)[2]
+        return places[origins[bisect.bisect_left(origins, True, key=reaches)]]
 
 
 def widen(x):
@@ -713,46 +771,83 @@ def widen(x):
     return {torch.float16: torch.float32}.get(x, x)
 
 
-def check_fp16(model, batch, criterion, device):
-    """What fp16 does to `model` on `batch`, measured on a copy of it that trains nothing. One
-    forward pass runs under autocast in fp16 with FP16Rounding, as in train_epoch. Two
-    backward passes follow: of the loss, and of the loss scaled by the GradScaler's first
-    scale, 2**16. The ops that autocast keeps in fp32 stay in fp32.
+def all_finite(values, device):
+    """Whether every tensor among `values` is finite, as a tensor on `device`: no host sync."""
+    flags = [x.isfinite().all().to(device) for x in filter(torch.is_tensor, values)]
+    return torch.stack([*flags, torch.ones((), dtype=torch.bool, device=device)]).all()
 
-    Returns a dict. "overflow" names the first op of the forward pass whose fp16 result is inf
-    or NaN, where its fp32 result is finite, or it is None. The op comes with the path of the
-    module that ran it, as named_modules() gives it. "bad" names such an op whose fp32 result is
-    inf or NaN already, as from a batch or a weight that holds them, or it is None. "zeroed"
-    and "inf" are the shares of the nonzero fp16 gradients that fp16 makes zero and inf, as
-    they are, and "_scaled" by 2**16. "largest_gradient" is the largest finite one, unscaled.
-    "verdict" says what to do, and "seconds" how long the check took.
+
+def zeroed(fp32, fp16):
+    """The share of the nonzero values of the fp32 gradients that are zero in the fp16 ones."""
+    nonzero = sum(g.count_nonzero() for g in fp32)
+    lost = sum((g.ne(0) & h.eq(0)).sum() for g, h in zip(fp32, fp16))
+    return (lost / max(nonzero, 1)).item()
+
+
+def same_rng(device):
+    """A block that leaves the global RNG, and `device`'s, as it found them."""
+    # fork_rng keeps the global RNG, and the listed devices', but a CPU's, which is the global one.
+    return torch.random.fork_rng([device] * (device.type != "cpu"), device_type=device.type)
+
+
+def check_fp16(model, batch, criterion, device):
+    """What fp16 does to `model` on `batch`, judged by what a training step meets: its loss, and
+    its weights' gradients, in which a GradScaler looks for inf and NaN. It runs on a copy of
+    the model that trains nothing. One forward pass runs in fp32, and one in fp16 under autocast,
+    as in train_epoch, through FP16Check. Both draw the same dropout masks. torch.autograd.grad
+    gives each the weights' gradients of its loss. The fp16 pass also gives them at the
+    GradScaler's first scale, 2**16, and at the scale where it settles. device is a torch.device
+    or its name. The global RNG is left as it was.
+
+    Returns a dict. "overflow" names where fp16 first makes inf or NaN that reaches the loss or
+    a weight's gradient, or it is None. That is an op with the path of the module that ran it,
+    as named_modules() gives it. "bad" names where the fp32 pass meets inf or NaN, or it is
+    None: the batch, a tensor of the model, or an op. Then fp16 is not to blame. Where the loss
+    and gradients stay finite, "largest_gradient" is the largest fp16 value of the backward
+    pass that grows with the loss. "scale" is the power of 2 near which the GradScaler's scale
+    settles, if one does. "zeroed" and "zeroed_scaled" are the shares of the weights' nonzero
+    fp32 gradient values that fp16 makes zero, as they are and at that scale. "skips" says
+    whether the GradScaler skips steps at 2**16. "verdict" says what to do, and "seconds" how
+    long the check took.
     """
-    model, start = copy.deepcopy(model).to(device).train(), time.perf_counter()
-    rounding, (inputs, targets) = FP16Rounding(model), to_device(batch, device)
-    with rounding, torch.autocast(device.type, dtype=torch.float16):
-        loss = criterion(model(**inputs) if isinstance(inputs, dict) else model(inputs), targets)
-    for rounding.phase in (1, 2**16):
-        with rounding:
-            (loss.float() * rounding.phase).backward(retain_graph=True)
-    found = {"overflow": None, "bad": None, "verdict": "the forward pass makes no fp16 inf or NaN"}
-    # The first inf or NaN. Before it the values were finite. So fp16 made it where the fp32
-    # result is finite, and else the batch or the weights brought it.
-    for place, (largest, _, _, inf) in rounding.results["forward"]:
-        if inf:
-            kind = ["bad", "overflow"][largest < math.inf]
-            found[kind], found["verdict"] = place, {
-                "overflow": f"fp16 overflows first at {place}: keep that in fp32 (README), or "
-                "train in bf16", "bad": f"{place} meets inf or NaN that fp16 did not make: look "
-                "at the batch and the weights"}[kind]
-            break
-    for phase, suffix in (1, ""), (2**16, "_scaled"):
-        # A row of zeros stands for a pass without fp16 results.
-        rows = torch.stack([row for _, row in rounding.results[phase]] + [torch.zeros(4)])
-        nonzero, nonzero_fp16, inf = rows[:, 1:].sum(0).tolist()
-        found["largest_gradient" + suffix] = rows[:, 0].nan_to_num(0, 0).max().item()
-        found["zeroed" + suffix] = (nonzero - nonzero_fp16) / max(nonzero, 1)
-        found["inf" + suffix] = inf / max(nonzero, 1)
-    return {**found, "seconds": time.perf_counter() - start}
+    device, start = torch.device(device), time.perf_counter()
+    check = FP16Check(model, batch, criterion, device)
+    found = dict.fromkeys(["overflow", "bad", "largest_gradient", "scale", "zeroed_scaled"])
+    _, fp32, fp32_finite = check.run(rounds=False)
+    loss, fp16, fp16_finite = check.run(rounds=True)
+    found.update(zeroed=zeroed(fp32, fp16), skips=not all_finite(check.gradients(loss, 2**16),
+                                                                  device).item())
+    # A value that grows with the loss is 2**16 times as large at 2**16 as at 1. Activation
+    # gradients do. Factors such as pow's 3x², or the activations that checkpointing
+    # recomputes, do not. Its size at 1 is read at 2**16, unless it overflows there, since
+    # fp16 makes many gradients zero at 1. 0 stands for a pass with no fp16 gradients.
+    unscaled, scaled = (torch.stack([*check.largest[s], torch.zeros((), device=device).double()])
+                        for s in (1, 2**16))
+    size = torch.where(scaled.isfinite(), scaled / 2**16, unscaled)
+    largest = size[(scaled >= unscaled * 2**15) & size.isfinite()].max().item()
+    verdict = "fp16 keeps the loss and the weights' gradients finite"
+    if not fp32_finite:
+        # The model itself, not its copy, whose BatchNorm statistics took what the passes met.
+        tensors = {"the batch": pytree.tree_leaves((check.inputs, check.targets))}
+        tensors.update((f"the model's {name!r}", [x]) for name, x in model.state_dict().items())
+        held = [name for name, values in tensors.items() if not all_finite(values, device)]
+        # Where they are finite, an op of the fp32 pass makes the inf or NaN.
+        found["bad"] = held[0] if held else check.blame(False)
+        verdict = ("the fp32 step meets inf or NaN too, so fp16 is not to blame: look at "
+                   f"{found['bad']}")
+    elif not fp16_finite:
+        found["overflow"] = check.blame(True)
+        verdict = (f"fp16 makes inf or NaN that reaches the loss or a weight's gradient, first at"
+                   f" {found['overflow']}: keep that in fp32 (README), or train in bf16")
+    else:
+        found["largest_gradient"] = largest
+    # The GradScaler halves its scale after a step with inf or NaN gradients, and doubles it
+    # after 2000 steps without. It settles near the largest power of 2 that keeps the largest
+    # growing value under 65504, fp16's largest.
+    if found["largest_gradient"]:
+        found["scale"] = math.floor(math.log2(65504 / largest))
+        found["zeroed_scaled"] = zeroed(fp32, check.gradients(loss, 2.0 ** found["scale"]))
+    return {**found, "verdict": verdict, "seconds": time.perf_counter() - start}
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log):
@@ -812,8 +907,7 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
                 "precision": precision}
     # Dropout draws from the global RNG. The caller's next draws are those it would have had.
-    # fork_rng keeps the global RNG, and the device's, but a CPU's, which is the global one.
-    with torch.random.fork_rng([device] * (device.type != "cpu"), device_type=device.type):
+    with same_rng(device):
         log("checking fp16")
         measured["fp16_check"] = check_fp16(model, batch, criterion, device)
         for label in ("fp32", precision):
@@ -838,19 +932,20 @@ def amp_report(measured):
     # Within 5% of fp32's time, the two are as fast as each other: a shared machine's steps
     # vary that much. bisect finds the band that the ratio falls in.
     speed = ["faster", "about as fast as fp32", "slower"][bisect.bisect([0.95, 1.05], step)]
-    # The GradScaler starts at 2**16. It halves its scale after a step with inf or NaN
-    # gradients, and doubles it after 2000 steps without. It settles near the largest power
-    # of 2 that keeps the largest gradient under 65504.
-    fits = math.floor(math.log2(65504 / max(fp16["largest_gradient"], 2.0**-100)))
+    lines.append(f"fp16 as autocast runs it here, checked on this batch in {fp16['seconds']:.2f} s, "
+                 f"as long as {fp16['seconds'] / fp32['median_step_seconds']:.1f} fp32 steps:")
+    if fp16["scale"] is not None:
+        lines += [f"  the largest gradient that grows with the loss is {fp16['largest_gradient']:.4g},"
+                  f" so the GradScaler's scale settles near 2**{fp16['scale']}",
+                  f"  fp16 makes {fp16['zeroed']:.2%} of the weights' nonzero gradient values zero, "
+                  f"and {fp16['zeroed_scaled']:.2%} at 2**{fp16['scale']}",
+                  "  at the GradScaler's first scale, 2**16, steps "
+                  f"{['go through', 'are skipped, and the scale falls'][fp16['skips']]}"]
+    elif fp16["largest_gradient"] == 0:
+        lines.append("  no fp16 gradient grows with the loss, so the GradScaler's scale keeps growing")
+    else:
+        lines.append("  the loss or a weight's gradient is inf or NaN, so no scale is named")
     return lines + [
-        f"fp16 as autocast runs it here, checked on this batch in {fp16['seconds']:.2f} s, as "
-        f"long as {fp16['seconds'] / fp32['median_step_seconds']:.1f} fp32 steps:",
-        f"  fp16 makes {fp16['zeroed']:.2%} of the nonzero gradients zero, and {fp16['inf']:.2%}"
-        " inf",
-        f"  at the GradScaler's first scale, 2**16, it makes {fp16['zeroed_scaled']:.2%} of them "
-        f"zero, and {fp16['inf_scaled']:.2%} inf",
-        f"  the largest gradient is {fp16['largest_gradient']:.4g}, so the GradScaler's scale "
-        f"settles near 2**{fits}",
         "  bf16 has fp32's range, so none of this applies to bf16",
         f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}, torch "
         f"{torch.__version__}: {name} steps take {step:.2f}x fp32's time, {memory:.2f}x its "

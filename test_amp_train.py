@@ -817,8 +817,9 @@ def test_weights_that_hold_nan_stop_a_run_whose_loss_is_finite():
     # In fp16 the scaler skips the steps whose gradients are inf, but the weights' fp16 copies
     # overflow already, which the check names: the Linear's weight cast by autocast.
     ("fp16", "epoch 2: the epoch's mean train loss is nan: lower --lr, or look for inf/NaN in "
-     "the data; on a training batch, fp16 overflows first at _to_copy in '': keep that in fp32 "
-     r"\(README\), or train in bf16; {} holds epoch 1")])
+     "the data; on a training batch, fp16 makes inf or NaN that reaches the loss or a weight's "
+     r"gradient, first at _to_copy in '': keep that in fp32 \(README\), or train in bf16; {} "
+     "holds epoch 1")])
 def test_a_run_that_diverges_exits_1_with_one_line_and_keeps_its_last_finite_epoch(
         precision, says, run_dir, capsys):
     argv = LINEAR + ["--precision", precision, "--lr", "1e6", "--epochs", "5"]
@@ -845,24 +846,83 @@ def test_what_autograd_saves_in_bf16_is_the_activations_and_weight_copies_counte
 
 
 class Attention(nn.Module):
-    """nanoGPT's attention, in brief: its scores are a matmul in no module of their own."""
+    """nanoGPT's attention, in brief: its scores are a matmul in no module of their own. A
+    causal mask fills them with `fill`, or a mask made in fp32 is added to them first."""
 
-    def __init__(self, scale=1.0):
+    def __init__(self, scale=1.0, fill=None, mask_first=False, diagonal=1):
         super().__init__()
         self.qkv, self.proj, self.scale = nn.Linear(16, 48), nn.Linear(16, 16), scale
+        self.fill, self.mask_first, self.diagonal = fill, mask_first, diagonal
 
     def forward(self, x):
+        # The keys after each query's own, or from it on with diagonal=0.
+        above = torch.ones(8, 8, dtype=torch.bool).triu(self.diagonal)
+        # torch.finfo(torch.float32).min, which fp16 makes -inf.
+        mask = torch.zeros(8, 8).masked_fill(above, torch.finfo(torch.float32).min)
+        if self.mask_first:
+            mask = mask.to(torch.float16)
         q, k, v = self.qkv(x * self.scale).chunk(3, dim=-1)
-        return self.proj((q @ k.transpose(-2, -1)).softmax(-1) @ v)
+        scores = q @ k.transpose(-2, -1)
+        if self.fill is not None:
+            scores = scores.masked_fill(above, self.fill)
+        if self.mask_first:
+            scores = scores + mask
+        return self.proj(scores.softmax(-1) @ v)
+
+
+class SDPA(nn.Module):
+    """Attention through scaled_dot_product_attention, with a mask that hides the last 2 keys:
+    a boolean one, or a float one that holds `fill` there."""
+
+    def __init__(self, fill=None):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.mask = torch.arange(8) < 6
+        if fill is not None:
+            self.mask = torch.zeros(8).masked_fill(~self.mask, fill)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask))
+
+
+class Act(nn.Linear):
+    """A Linear and an activation: GPT-2's gelu_new, whose x**3 fp16 can make inf that tanh
+    takes to 1; a sigmoid written by hand; or log, which fp32 makes -inf of 0."""
+
+    def __init__(self, kind, factor):
+        super().__init__(16, 16)
+        self.kind = kind
+        self.weight.data *= factor
+
+    def forward(self, x):
+        h = super().forward(x)
+        if self.kind == "gelu_new":
+            return 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+        if self.kind == "sigmoid":
+            return 1 / (1 + torch.exp(-h))
+        return torch.log(torch.relu(h))
+
+
+class Checkpointed(nn.Sequential):
+    def forward(self, x):
+        for module in self:
+            x = torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False)
+        return x
 
 
 class KeptInFP32(nn.Sequential):
-    """A head kept in fp32, as README advises, whose outputs pass fp16's range."""
+    """A head kept in fp32, as README advises, whose outputs pass fp16's range. At a factor of
+    1e6, its input's gradient passes fp16's range in backward too."""
+
+    def __init__(self, factor):
+        super().__init__(nn.Linear(16, 16), nn.Linear(16, 4))
+        self.factor = factor
 
     def forward(self, x):
         x = self[0](x).mean(1)
         with torch.autocast(x.device.type, enabled=False):
-            return self[1](x.float() * 1e6)
+            return self[1](x.float() * self.factor)
 
 
 class ZeroesARowInPlace(nn.Linear):
@@ -894,23 +954,33 @@ def scaled(module, factor):
     return module
 
 
+def classify(*body):
+    """body, then a classifier of the 8 vectors of 16 for 4 classes."""
+    return nn.Sequential(*body, nn.Flatten(), nn.Linear(128, 4))
+
+
+def nan_weight(module):
+    module.weight.data[0, 0] = math.nan
+    return module
+
+
 # What fp16 does, by name: (model, inputs, criterion, targets) from 4 seeded sequences x of 8
 # vectors of 16. A criterion or targets of None are cross entropy and 4 classes.
 FP16_CASES = {
-    "attention scores": lambda x: (nn.Sequential(Attention(1000.0), nn.Flatten(), nn.Linear(
-        128, 4)), x, None, None),
+    "attention scores": lambda x: (classify(Attention(1000.0)), x, None, None),
     "multi-head attention alone": lambda x: (nn.MultiheadAttention(16, 2, batch_first=True), {
         "query": x * 300, "key": x * 300, "value": x * 300}, lambda out, _: out[0].sum(), None),
-    "a frozen backbone": lambda x: (nn.Sequential(scaled(nn.Linear(16, 16), 161027).requires_grad_(
-        False), nn.Flatten(), nn.Linear(128, 4)), x, None, None),
-    "a head kept in fp32": lambda x: (KeptInFP32(nn.Linear(16, 16), nn.Linear(16, 4)), x, None,
-                                      None),
+    "a frozen backbone": lambda x: (classify(scaled(nn.Linear(16, 16), 161027).requires_grad_(
+        False)), x, None, None),
+    "a head kept in fp32": lambda x: (KeptInFP32(3e5), x, None, None),
+    "a head kept in fp32 whose gradient passes 65504": lambda x: (KeptInFP32(1e6), x, None, None),
     "a summed MSE loss": lambda x: (nn.Sequential(nn.Flatten(), nn.Linear(128, 1)), x,
                                     nn.MSELoss(reduction="sum"), torch.randn(4, 1) * 1e3),
-    "a scaled embedding": lambda x: (nn.Sequential(scaled(nn.Embedding(10, 16), 5e6), nn.LayerNorm(
-        16), nn.Flatten(), nn.Linear(128, 4)), torch.randint(0, 10, (4, 8)), None, None),
-    "inf in the data": lambda x: (nn.Sequential(Attention(), nn.Flatten(), nn.Linear(128, 4)),
-                                  x.index_fill(2, torch.tensor([0]), math.inf), None, None),
+    "a scaled embedding": lambda x: (classify(scaled(nn.Embedding(10, 16), 5e6), nn.LayerNorm(
+        16)), torch.randint(0, 10, (4, 8)), None, None),
+    "inf in the data": lambda x: (classify(Attention()), x.index_fill(2, torch.tensor([0]),
+                                                                      math.inf), None, None),
+    "NaN in a weight": lambda x: (classify(nan_weight(nn.Linear(16, 16))), x, None, None),
     "gradients past 65504 at 2**16": lambda x: (nn.Sequential(nn.Flatten(), scaled(nn.Linear(
         128, 4), 300)), x, None, None),
     "a zero-initialized model": lambda x: (nn.Sequential(nn.Flatten(), scaled(nn.Linear(
@@ -919,7 +989,25 @@ FP16_CASES = {
     "a sum past 65504 in place": lambda x: (nn.Sequential(DoublesInPlace(), nn.Flatten(),
                                                           nn.Linear(32, 4)), x, None, None),
     "a row zeroed in place": lambda x: (nn.Sequential(ZeroesARowInPlace(16, 4), nn.Flatten()),
-                                        x.index_fill(0, torch.tensor([0]), 1e3), None, None)}
+                                        x.index_fill(0, torch.tensor([0]), 1e3), None, None),
+    "a causal -inf mask": lambda x: (classify(Attention(fill=-math.inf)), x, None, None),
+    "scores past 65504 where the mask hides them": lambda x: (classify(Attention(
+        30.0, fill=-math.inf)), x, None, None),
+    "every key of a row masked": lambda x: (classify(Attention(fill=-math.inf, diagonal=0)), x,
+                                            None, None),
+    "SDPA with a boolean padding mask": lambda x: (classify(SDPA()), x, None, None),
+    "SDPA with a -inf mask": lambda x: (classify(SDPA(-math.inf)), x, None, None),
+    "SDPA with an fp32 min mask": lambda x: (classify(SDPA(torch.finfo(torch.float32).min)), x,
+                                             None, None),
+    "an fp32 min mask in fp16 before scores past 65504": lambda x: (classify(Attention(
+        300.0, mask_first=True)), x, None, None),
+    "gelu_new's x**3 past 65504": lambda x: (classify(Act("gelu_new", 30)), x, None, None),
+    "a sigmoid by hand": lambda x: (classify(Act("sigmoid", 30)), x, None, None),
+    "scores past 65504 before an fp32 min mask in fp16": lambda x: (classify(Attention(300.0),
+                                                                            SDPA(-3.4e38)), x,
+                                                                   None, None),
+    "log of 0, then BatchNorm": lambda x: (classify(Act("log", 1), nn.BatchNorm1d(8)), x, None,
+                                           None)}
 
 
 def fp16_case(name):
@@ -929,65 +1017,136 @@ def fp16_case(name):
         criterion or nn.CrossEntropyLoss())
 
 
-def real_fp16(model, batch, criterion):
-    """What a real fp16 step does on the CPU: whether its loss is finite, and whether its
-    gradients are, as they are and scaled by 2**16."""
+def real_steps(model, batch, criterion):
+    """Whether a real CPU step keeps its loss and its weights' gradients finite: in fp32, in
+    fp16, and in fp16 at the GradScaler's first scale, 2**16."""
     finite = []
-    for scale in (1, 2**16):
+    for dtype, scale in (None, 1), (FP16, 1), (FP16, 2**16):
         copied, (inputs, targets) = copy.deepcopy(model), batch
-        with torch.autocast("cpu", dtype=FP16):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = criterion(copied(**inputs) if isinstance(inputs, dict) else copied(inputs),
                              targets)
         (loss.float() * scale).backward()
-        finite.append(all(p.grad.isfinite().all() for p in copied.parameters() if p.requires_grad))
-    return loss.isfinite().item(), *finite
+        finite.append(all(p.grad.isfinite().all() for p in copied.parameters() if p.requires_grad)
+                      and loss.isfinite().item())
+    return finite
 
 
 @pytest.mark.parametrize("name,overflow,bad", [
     ("attention scores", "bmm in '0'", None), ("multi-head attention alone", "bmm in ''", None),
-    ("a frozen backbone", "addmm in '0'", None), ("inf in the data", None, "_to_copy in '0.qkv'"),
-    ("a head kept in fp32", None, None), ("a summed MSE loss", None, None),
-    ("a scaled embedding", None, None), ("gradients past 65504 at 2**16", None, None),
-    ("a zero-initialized model", None, None), ("a loss of 0", None, None),
-    ("a row zeroed in place", None, None), ("a sum past 65504 in place", "add_ in '0'", None)])
-def test_the_fp16_check_finds_what_a_real_fp16_step_meets_where_it_meets_it(name, overflow, bad):
+    ("a frozen backbone", "addmm in '0'", None), ("inf in the data", None, "the batch"),
+    ("NaN in a weight", None, "the model's '0.weight'"), ("a head kept in fp32", None, None),
+    ("a head kept in fp32 whose gradient passes 65504", "_to_copy in ''", None),
+    ("a summed MSE loss", None, None), ("a scaled embedding", None, None),
+    ("gradients past 65504 at 2**16", None, None), ("a zero-initialized model", None, None),
+    ("a loss of 0", None, None), ("a row zeroed in place", None, None),
+    ("a sum past 65504 in place", "add_ in '0'", None), ("a causal -inf mask", None, None),
+    ("scores past 65504 where the mask hides them", None, None),
+    ("every key of a row masked", None, "masked_fill in '0'"),
+    ("SDPA with a boolean padding mask", None, None), ("SDPA with a -inf mask", None, None),
+    ("SDPA with an fp32 min mask", None, None),
+    ("an fp32 min mask in fp16 before scores past 65504", "bmm in '0'", None),
+    ("scores past 65504 before an fp32 min mask in fp16", "bmm in '0'", None),
+    ("gelu_new's x**3 past 65504", None, None), ("a sigmoid by hand", "exp in '0'", None),
+    ("log of 0, then BatchNorm", None, "log in '0'")])
+def test_the_fp16_check_names_what_a_real_fp16_step_meets_where_it_begins(name, overflow, bad):
     model, batch, criterion = fp16_case(name)
     before = copy.deepcopy(model.state_dict())
-    found = amp_train.check_fp16(model, batch, criterion, CPU)
-    loss_finite, gradients_finite, scaled_finite = real_fp16(model, batch, criterion)
+    found = amp_train.check_fp16(model, batch, criterion, "cpu")
+    fp32, fp16, fp16_scaled = real_steps(model, batch, criterion)
     assert (found["overflow"], found["bad"]) == (overflow, bad), found
-    assert loss_finite == (overflow is bad is None), "the real loss says otherwise"
-    assert (found["inf"] == 0, found["inf_scaled"] == 0) == (gradients_finite, scaled_finite), found
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "model changed"
+    # fp16 is named where its real loss or gradients are inf or NaN and fp32's are not, and the
+    # batch, the model or fp32 where fp32's are too.
+    assert (fp32, fp16) == (bad is None, overflow is bad is None), (fp32, fp16)
+    assert found["skips"] == (not fp16_scaled), found
+    assert all(torch.allclose(before[k], v, rtol=0, atol=0, equal_nan=True) for k, v in
+               model.state_dict().items()), "model changed"
 
 
-def test_the_share_of_gradients_that_fp16_makes_zero_is_a_real_fp16_backwards():
-    # Targets 1e-6 off make gradients of about 1e-8, too small for fp16. The GradScaler's first
-    # scale lifts them. In a real fp16 backward the logits', the weight's and the bias's
-    # gradients are fp16, and fp32's say which are not zero.
+def real_zeroed(model, batch, criterion, scale):
+    """The share of the weights' nonzero fp32 gradient values that a real CPU fp16 step makes
+    zero, with its loss times `scale`. Both steps draw the same dropout masks."""
+    gradients = []
+    for dtype in (None, FP16):
+        copied = copy.deepcopy(model).train()
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = criterion(copied(batch[0]), batch[1])
+        (loss.float() * scale).backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in copied.parameters()]))
+    fp32, fp16 = gradients
+    return ((fp16 == 0) & (fp32 != 0)).sum().item() / (fp32 != 0).sum().item()
+
+
+def real_settled_scale(model, batch, criterion):
+    """The scale at which a real GradScaler's steps go through, as the docs' loop trains. lr 0
+    gives every step the same gradients, and growth_interval=1 doubles the scale after each
+    step that goes through, so it settles within a few steps."""
+    copied = copy.deepcopy(model).train()
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.0)
+    scaler, scales = torch.amp.GradScaler("cpu", init_scale=2.0**60, growth_interval=1), []
+    for _ in range(80):
+        with torch.autocast("cpu", dtype=FP16):
+            loss = criterion(copied(batch[0]), batch[1])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    # The last scales alternate between the one that goes through and twice it, which does not.
+    return min(scales[-4:])
+
+
+def tiny_gradients(out, _):
+    """A loss whose gradients, about 1e-8, are too small for fp16 but for a GradScaler."""
+    return MSE(out.float(), out.detach().float() + 1e-6)
+
+
+def small_loss(out, targets):
+    """Cross entropy over 1000 times as many targets, of which these are the only wrong ones."""
+    return nn.functional.cross_entropy(out, targets) / 1000
+
+
+# Models whose gradients fp16 makes zero or not, by name: (model, inputs, criterion).
+ZEROED_CASES = {
+    "gradients too small for fp16": lambda: (nn.Linear(16, 4), torch.randn(64, 16),
+                                             tiny_gradients),
+    "conv and BatchNorm": lambda: (small_model(), torch.randn(8, 3, 8, 8) * 1e-3, None),
+    "gelu_new's x**3 past 65504, and a small loss": lambda: (classify(Act("gelu_new", 30)),
+                                                             torch.randn(4, 8, 16), small_loss),
+    "dropout": lambda: (nn.Sequential(nn.Linear(16, 64), nn.Dropout(), nn.Linear(64, 4)),
+                        torch.randn(1, 16), None),
+    "checkpointed": lambda: (nn.Sequential(Checkpointed(nn.Linear(16, 16), nn.GELU(), scaled(
+        nn.Linear(16, 16), 100)), nn.Flatten(), nn.Linear(128, 4)), torch.randn(4, 8, 16),
+                             None)}
+
+
+@pytest.mark.parametrize("name", ZEROED_CASES)
+def test_the_zeroed_shares_and_the_scale_are_those_of_a_real_fp16_step_and_gradscaler(name):
     torch.manual_seed(0)
-    model, x, shares = nn.Linear(16, 4), torch.randn(64, 16), []
-    found = amp_train.check_fp16(model, (x, x), lambda out, _: MSE(out, out.detach() + 1e-6), CPU)
-    for scale in (1, 2**16):
-        grads = []
-        for dtype in (FP16, None):
-            copied = copy.deepcopy(model)
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                logits = copied(x)
-            logits.retain_grad()
-            (MSE(logits, logits.detach() + 1e-6).float() * scale).backward()
-            grads.append(torch.cat([g.flatten().float() for g in (logits.grad, copied.weight.grad,
-                                                                   copied.bias.grad)]))
-        shares.append((grads[0][grads[1] != 0] == 0).float().mean().item())
-    assert [found["zeroed"], found["zeroed_scaled"]] == pytest.approx(shares, abs=0.02), shares
-    assert found["zeroed"] > 0.5 > 0.01 > found["zeroed_scaled"], found
-    # An in-place op's fp16 result of over 65504 values, here average pooling's backward for
-    # 64 x 1024 channels, is counted exactly too.
-    model = nn.Sequential(nn.Conv2d(3, 1024, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    batch = (torch.randn(64, 3, 2, 2).contiguous(memory_format=torch.channels_last), x[:, 0])
-    found = amp_train.check_fp16(model.to(memory_format=torch.channels_last), batch,
-                                 lambda out, _: out.float().square().mean(), CPU)
-    assert 0 <= found["zeroed_scaled"] <= found["zeroed"] < 1, found
+    model, inputs, criterion = ZEROED_CASES[name]()
+    batch, criterion = (inputs, torch.arange(len(inputs)) % 4), criterion or nn.CrossEntropyLoss()
+    # The check trains, as the real steps do, a model that evaluate() left in eval mode.
+    rng, model = torch.get_rng_state(), model.eval()
+    found = amp_train.check_fp16(model, batch, criterion, CPU)
+    assert torch.equal(rng, torch.get_rng_state()), "the global RNG moved on"
+    assert found["zeroed"] == pytest.approx(real_zeroed(model, batch, criterion, 1), abs=0.02)
+    assert found["zeroed_scaled"] == pytest.approx(real_zeroed(
+        model, batch, criterion, 2.0 ** found["scale"]), abs=0.02), found
+    assert 2.0 ** found["scale"] == real_settled_scale(model, batch, criterion), found
+
+
+def test_checkpointing_changes_none_of_the_checks_figures():
+    torch.manual_seed(0)
+    plain = classify(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)))
+    checkpointed = classify(Checkpointed(*plain[0]))
+    checkpointed.load_state_dict(plain.state_dict())
+    batch = (torch.randn(4, 8, 16) * 30, torch.arange(4))
+    found = [amp_train.check_fp16(model, batch, nn.CrossEntropyLoss(), CPU)
+             for model in (plain, checkpointed)]
+    for found_ in found:
+        del found_["seconds"]
+    assert found[0] == found[1] and found[0]["scale"] is not None, found
 
 
 @pytest.mark.parametrize("step,rounds,per_round", [
@@ -1026,39 +1185,49 @@ def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_t
                 r"samples_per_second +[\d,]+ /s +[\d,]+ /s +[\d.]+",
                 r"fp16 as autocast runs it here, checked on this batch in [\d.]+ s, as long as "
                 r"[\d.]+ fp32 steps:",
-                r"  fp16 makes 0\.00% of the nonzero gradients zero, and 0\.00% inf",
-                r"  the largest gradient is 0\.8\d+, so the GradScaler's scale settles near "
-                r"2\*\*16",
+                r"  the largest gradient that grows with the loss is 0\.8\d+, so the "
+                r"GradScaler's scale settles near 2\*\*16",
                 r"verdict: linear, batch 128, cpu \(16-bit instructions: \[\]\), torch .*: bf16 "
                 r"steps take [\d.]+x fp32's time, 0\.\d\dx its memory saved for backward; AMP is "
-                r".* here; the forward pass makes no fp16 inf or NaN"):
+                r".* here; fp16 keeps the loss and the weights' gradients finite"):
         assert re.search(f"^{row}$", out, re.M), (row, out)
 
 
-@pytest.mark.parametrize("step,speed", [
-    (0.93, "faster"), (1.04, "about as fast as fp32"), (1.1, "slower")])
+# What the fp16 lines say: where a scale is named, where nothing grows with the loss, and where
+# the loss or a gradient is inf or NaN.
+FP16_LINES = [
+    ({"largest_gradient": 3.0, "scale": 14, "zeroed": 0.5, "zeroed_scaled": 0.01, "skips": True},
+     ["  the largest gradient that grows with the loss is 3, so the GradScaler's scale settles "
+      "near 2**14", "  fp16 makes 50.00% of the weights' nonzero gradient values zero, and 1.00% "
+      "at 2**14", "  at the GradScaler's first scale, 2**16, steps are skipped, and the scale "
+      "falls"]),
+    ({"largest_gradient": 0.0, "scale": None},
+     ["  no fp16 gradient grows with the loss, so the GradScaler's scale keeps growing"]),
+    ({"largest_gradient": None, "scale": None},
+     ["  the loss or a weight's gradient is inf or NaN, so no scale is named"])]
+
+
+@pytest.mark.parametrize("step,speed,fp16,says", [
+    (0.93, "faster", *FP16_LINES[0]), (1.04, "about as fast as fp32", *FP16_LINES[1]),
+    (1.1, "slower", *FP16_LINES[2])])
 def test_the_verdict_says_faster_beyond_5_percent_and_each_value_comes_in_its_kinds_unit(
-        step, speed):
+        step, speed, fp16, says):
     # From 5e-5 s and 5 KiB to 1.3 million samples a second: fixed decimals, no exponent.
     fp32 = {"saved_bytes": 5 * 2**10, "median_step_seconds": 5e-5, "samples_per_second": 1325060.4}
     amp = {"saved_bytes": 3.75 * 2**10, "median_step_seconds": step * 5e-5,
            "samples_per_second": 1325060.4 / step}
-    fp16 = {"zeroed": 0.5, "inf": 0.0, "zeroed_scaled": 0.01, "inf_scaled": 0.25,
-            "largest_gradient": 3.0, "seconds": 1e-4, "verdict": "fp16 overflows first at bmm"}
+    fp16 = {**fp16, "seconds": 1e-4, "verdict": "fp16 makes inf or NaN, first at bmm"}
     lines = amp_train.amp_report({"name": "m", "batch": 1, "device": "cpu", "precision": "bf16",
                                   "fp32": fp32, "bf16": amp, "fp16_check": fp16})
     assert lines[-1].endswith(f" 0.75x its memory saved for backward; AMP is {speed} here; "
-                              "fp16 overflows first at bmm"), lines[-1]
+                              "fp16 makes inf or NaN, first at bmm"), lines[-1]
     assert lines[1:4] == ["saved_bytes                   0.00 MiB        0.00 MiB        0.75",
                           f"median_step_seconds           0.050 ms{f'{step * 0.05:.3f} ms':>16}"
                           f"{step:>12.2f}", f"samples_per_second        1,325,060 /s"
                           f"{f'{1325060.4 / step:,.0f} /s':>16}{1 / step:>12.2f}"], lines
-    assert lines[4:9] == [
+    assert lines[4:-1] == [
         "fp16 as autocast runs it here, checked on this batch in 0.00 s, as long as 2.0 fp32 "
-        "steps:", "  fp16 makes 50.00% of the nonzero gradients zero, and 0.00% inf",
-        "  at the GradScaler's first scale, 2**16, it makes 1.00% of them zero, and 25.00% inf",
-        "  the largest gradient is 3, so the GradScaler's scale settles near 2**14",
-        "  bf16 has fp32's range, so none of this applies to bf16"], lines
+        "steps:", *says, "  bf16 has fp32's range, so none of this applies to bf16"], lines
 
 
 # ---------- the run folder: every write whole, the standard checkpoint, one try to read it
