@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 # A dispatch mode sees each op below autocast and autograd, with its dtypes. torch has no
 # public name for it, nor for pytree, which walks an op's nested arguments.
 from torch.utils import _pytree as pytree
@@ -52,8 +53,18 @@ CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 # loss cannot take those. They also warn that their default initialization will change.
 TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
                                     {"aux_logits": False, "init_weights": True})
-# The memory table's unit for each kind of value, by the last word of a row's name.
-UNITS = {"bytes": (2**20, "MiB", 2), "seconds": (1e-3, "ms", 3), "second": (1, "/s", 0)}
+# The memory table's units for each kind of value, by the last word of a row's name: the
+# first unit's size, the factor from one unit to the next, the units, and the decimals.
+UNITS = {"bytes": (1, 1024, ["B", "KiB", "MiB", "GiB", "TiB"], 2),
+         "seconds": (1e-9, 1000, ["ns", "µs", "ms", "s"], 3), "second": (1, 1, ["/s"], 0),
+         "share": (0.01, 1, ["%"], 2),
+         "flop": (1, 1000, ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"], 1),
+         "flops": (1, 1000, ["FLOP/s", "kFLOP/s", "MFLOP/s", "GFLOP/s", "TFLOP/s", "PFLOP/s"], 1)}
+# The share of the device's measured rate above which arithmetic bounds a step, and the one
+# below which something else does: kernel launches, or memory.
+BOUND_SHARES = [0.3, 0.6]
+# A progress line comes at most this often, in seconds.
+PROGRESS_SECONDS = 30
 
 # These serve Part II. A training run keeps RUN_FLAGS in its checkpoint, and a resumed run goes
 # on with them.
@@ -276,7 +287,7 @@ def device_label(device):
     comes with cudnn.benchmark too, which times each convolution's algorithms once."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     if device.type == "cpu":
-        return f"cpu (16-bit instructions: {list(cpu_16bit())})"
+        return f"cpu (16-bit instructions: {' '.join(cpu_16bit()) or 'none'})"
     if device.type != "cuda":
         return str(device)
     # Before torch 2.9 allow_tf32 is the only API. After it, allow_tf32 raises once the new
@@ -310,12 +321,13 @@ def choose_precision(name, model, batch, criterion, device):
                              f"--precision {' or '.join([*native, 'fp32'])}, or --device cpu")
     if name == "auto":
         precision = auto_amp(device)
-        notes = [f"note: auto trains in {precision}: {device.type} computes {native} natively"]
+        notes = [f"note: auto trains in {precision}: {device.type} computes "
+                 f"{', '.join([*native, 'fp32'])} natively"]
         # A CPU's bf16 is timed first.
         if (device.type, precision) == ("cpu", "bf16"):
             measure = functools.partial(measure_training, model, batch, criterion, device)
-            fp32 = measure(None, 1, math.inf, "fp32", print0)
-            bf16 = measure(torch.bfloat16, 1, math.inf, "bf16", print0)
+            fp32 = measure(None, 1, math.inf, "auto times fp32", print0)
+            bf16 = measure(torch.bfloat16, 1, math.inf, "auto times bf16", print0)
             ratio = bf16["median_step_seconds"] / fp32["median_step_seconds"]
             if ratio > AUTO_MAX_RATIO:
                 precision = "fp32"
@@ -352,7 +364,9 @@ def image_classifier(name):
         return resnet18(imagenet_stem=name == "resnet18-imagenet"), 32
     from torchvision import models
     if name not in models.list_models(module=models):
-        raise UsageError(f"--model {name} is not a model the memory example knows: see --help")
+        raise UsageError(f"--model {name} is not a model the memory example knows: use linear, "
+                         "resnet18, resnet18-imagenet, or a torchvision classification model "
+                         "such as resnet50")
     side = min(weight.transforms.keywords["crop_size"] for weight in models.get_model_weights(name))
     return models.get_model(name, num_classes=10, **TORCHVISION_OPTIONS.get(name, {})), side
 
@@ -523,17 +537,21 @@ def train_example(args, device, folder, state):
     print0(f"amp_train | example {args.example} | torch {torch.__version__} | device "
            f"{device_label(device)} | precision {args.precision} | data {data} | batch "
            f"{args.batch_size} | accum {args.accum_steps} | processes {world_size()} | epochs "
-           f"{args.epochs}", *precision_notes, *notes)
+           f"{args.epochs} | compile {args.compile}", *precision_notes, *notes)
     # DDP averages the gradients in backward. So every process's scaler sees the same ones,
     # and skips the same steps.
-    model = raw_model
+    model, first = raw_model, len(metrics)
     if world_size() > 1:
         model = nn.parallel.DistributedDataParallel(raw_model)
+    # The checkpoint saves raw_model, whose keys torch.compile's wrapper does not prefix. So a
+    # run goes on with or without --compile.
+    if args.compile:
+        model = compiled(model, device)
     # Saved before the first epoch, so that every write is tried before anything is trained.
     folder.save(objects, flags, metrics)
-    for epoch in range(len(metrics), args.epochs):
+    for epoch in range(first, args.epochs):
         record = run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader,
-                           device)
+                           device, args.compile and epoch == first)
         objects["scheduler"].step()
         print0(epoch_line(record, args.epochs))
         metrics.append(json.dumps(record) + "\n")
@@ -546,16 +564,18 @@ def train_example(args, device, folder, state):
     return 0
 
 
-def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader, device):
-    """Trains `model` for one epoch, and tests objects["model"]: model is that model, or DDP
-    around it. Returns the epoch's record. Its train loss is the mean over every process's
-    samples."""
+def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader, device,
+              compiling=False):
+    """Trains `model` for one epoch, and tests objects["model"]: model is that model, or DDP or
+    torch.compile around it. Its first step compiles it where `compiling`. Returns the epoch's
+    record. Its train loss is the mean over every process's samples."""
     optimizer, scaler = objects["optimizer"], objects["scaler"]
     amp_dtype = PRECISIONS[args.precision]
     # The order, crops and flips come from the seed and the epoch. A resumed run sees the same.
     train_loader.epoch = epoch
     start = time.perf_counter()
-    stats = train_epoch(model, train_loader, optimizer, criterion, scaler, device, amp_dtype,
+    batches = progress(train_loader, args.accum_steps, compiling)
+    stats = train_epoch(model, batches, optimizer, criterion, scaler, device, amp_dtype,
                         clip_grad_norm=args.clip_grad_norm, accum_steps=args.accum_steps)
     seconds = time.perf_counter() - start
     # The mean train loss over every process's samples. Each process tests the whole test set
@@ -572,6 +592,30 @@ def run_epoch(args, epoch, model, objects, criterion, train_loader, test_loader,
     # Each step that the scaler skipped halved the scale, alike on every process.
     return {**record, "lr": optimizer.param_groups[0]["lr"], "loss_scale": scaler.get_scale(),
             "seconds": seconds, "samples_per_second": samples / seconds, "processes": world_size()}
+
+
+def progress(loader, accum_steps, compiling):
+    """Yields loader's batches. Every PROGRESS_SECONDS at most, it prints a line with the step,
+    the steps in the epoch, the time a step and the time left. Where `compiling`, a line says so
+    before the first step, and one after it gives its seconds. It reads the host's clock, so
+    the steps need no host sync. The first step, which compiles or picks kernels, is not
+    counted in the time a step."""
+    steps = math.ceil(len(loader) / accum_steps)
+    if compiling:
+        print0("compiling: the first step compiles the model")
+    start = last = time.perf_counter()
+    for index, batch in enumerate(loader):
+        step, now = index // accum_steps, time.perf_counter()
+        if step > 1 and now - last >= PROGRESS_SECONDS:
+            each, last = (now - first) / (step - 1), now
+            print0(f"  step {step}/{steps} | {each:.3f} s a step | {each * (steps - step):.0f} s "
+                   "left")
+        yield batch
+        # train_epoch asks for the next batch once the first step is done.
+        if index == accum_steps - 1:
+            first = time.perf_counter()
+            if compiling:
+                print0(f"compiled: the first step took {first - start:.1f} s")
 
 
 def epoch_problem(record, model, loader, criterion, device):
@@ -642,17 +686,16 @@ class FP16Check(TorchDispatchMode):
     tensor cores round theirs. A CPU emulates fp16's own kernels, up to 400x slower than fp32's,
     so this costs a few fp32 steps instead.
 
-    Ops are counted from 0 in each pass. Of each op it keeps its place, the op and the module
-    that ran it, and whether it made inf or NaN from inputs that held none. Of each fp16 result
-    it keeps the largest magnitude before rounding, by phase: the forward pass, or the backward
-    pass by its scale."""
+    Of each op it keeps its place: the op, and the path of the module that ran it, as
+    named_modules() gives it. A backward op takes the module of the forward op whose autograd
+    node runs it. Of each fp16 result it keeps the largest magnitude, by phase: the forward
+    pass, or the backward pass by its scale."""
 
     def __init__(self, model, batch, criterion, device):
         super().__init__()
         self.model, self.device = copy.deepcopy(model).to(device).train(), device
-        self.inputs, self.targets = to_device(batch, device)
-        self.criterion, self.ends = criterion, []
-        self.weights = [w for w in self.model.parameters() if w.requires_grad]
+        (self.inputs, self.targets), self.criterion = to_device(batch, device), criterion
+        self.weights, self.ends = [w for w in self.model.parameters() if w.requires_grad], []
         for name, module in self.model.named_modules():
             module.register_forward_pre_hook(functools.partial(self.enter, repr(name)))
             module.register_forward_hook(self.leave)
@@ -663,8 +706,8 @@ class FP16Check(TorchDispatchMode):
         self.ends.append({x.grad_fn for x in filter(torch.is_tensor, pytree.tree_leaves(args))})
 
     def leave(self, module, args, outputs):
-        """Names the autograd nodes that the module's ops made, which no module inside it named,
-        so that their backward ops are named by the module too."""
+        """Gives the module's name to the autograd nodes of its ops that no module inside it
+        named. Each such node names the backward ops that it runs."""
         name, seen = self.modules.pop(), {None, *self.ends.pop()}
         nodes = [x.grad_fn for x in filter(torch.is_tensor, pytree.tree_leaves(outputs))]
         while nodes:
@@ -696,7 +739,7 @@ class FP16Check(TorchDispatchMode):
 
     def gradients(self, loss, scale):
         """The weights' gradients of the loss times `scale`. Checkpointing changes none."""
-        # The backward ops of the loss come first, and those of each module then take its name.
+        # The backward ops of the loss come first, and each autograd node then names its own.
         self.phase, self.modules = scale, ["the loss"]
         with self:
             return torch.autograd.grad(loss.float() * scale, self.weights, retain_graph=True,
@@ -721,8 +764,8 @@ class FP16Check(TorchDispatchMode):
 
     def rounded(self, func, args, kwargs):
         """func's results, computed in fp32, and each rounded to the dtype that func gives it.
-        A meta tensor has a shape and a dtype, and no data. func on meta tensors gives
-        those dtypes, by torch's own rules, and costs nothing."""
+        A meta tensor has a shape and a dtype, and no data. func on meta tensors gives those
+        dtypes, by torch's own rules, and costs nothing."""
         meta = pytree.tree_map_only(torch.Tensor, functools.partial(torch.Tensor.to, device="meta"),
                                     (args, kwargs))
         meta = pytree.tree_map_only(torch.device, lambda device: torch.device("meta"), meta)
@@ -736,16 +779,16 @@ class FP16Check(TorchDispatchMode):
         """Keeps what the op made, and returns its results. The result of an op such as
         empty_like is memory that nothing wrote yet, so its largest value is left out."""
         self.places.append(f"{func.overloadpacket.__name__} in {self.modules[-1]}")
-        leaves = pytree.tree_leaves(results)
-        if len(self.places) > self.keep:
-            for x in filter(torch.is_floating_point, filter(torch.is_tensor, leaves)):
-                x.copy_(torch.where(finite_inputs, x.nan_to_num(), x))
+        tensors, largest = list(filter(torch.is_tensor, pytree.tree_leaves(results))), []
         if self.tracked:
-            self.made.append(finite_inputs & ~all_finite(leaves, self.device))
-        largest = self.largest.setdefault(self.phase, [])
-        for x in filter(torch.is_tensor, leaves):
+            self.made.append(finite_inputs & ~all_finite(tensors, self.device))
+        if len(self.places) > self.keep:
+            for x in filter(torch.is_floating_point, tensors):
+                x.copy_(torch.where(finite_inputs, x.nan_to_num(), x))
+        for x in tensors:
             if x.dtype == torch.float16 and x.numel() and "empty" not in self.places[-1]:
                 largest.append(x.abs().amax().double())
+        self.largest.setdefault(self.phase, []).extend(largest)
         return results
 
     def blame(self, rounds):
@@ -850,70 +893,156 @@ def check_fp16(model, batch, criterion, device):
     return {**found, "verdict": verdict, "seconds": time.perf_counter() - start}
 
 
-def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log):
-    """Trains a copy of `model` on one batch, and measures it. The first step counts what
-    autograd saves. After the warm-up, TIMED_ROUNDS rounds of at most `steps` steps are
-    timed, as many as fit in `seconds`. Where torch keeps a peak of memory (CUDA, XPU), the
-    timed steps' peak is read too."""
+def median_seconds(run, seconds, most, label, log):
+    """The median seconds of a call, where run(n) makes n calls and waits for the device. The
+    first call allocates memory and picks kernels, and the next two say how many calls fit in
+    `seconds`. TIMED_ROUNDS rounds of at most `most` calls are timed, and the middle one counts.
+    A first call longer than a round's share of `seconds` (emulated bf16, say) hides those
+    costs, so one call is timed, once. log() hears how many."""
+    each, rounds, calls = run(1), 1, 1
+    if each <= seconds / TIMED_ROUNDS:
+        each = run(2)
+        rounds, calls = TIMED_ROUNDS, int(min(most, seconds / TIMED_ROUNDS / each))
+    log(f"  {label}: one took {cell('step_seconds', each)}, so {rounds} rounds of {calls} are "
+        "timed")
+    return sorted(run(calls) for _ in range(rounds))[rounds // 2]
+
+
+def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log,
+                     compile=False):
+    """Trains a copy of `model` on one batch, and measures it. Its first step runs eagerly. It
+    counts what autograd saves, and the FLOPs of its matmuls and convolutions, by torch's
+    FlopCounterMode. With `compile`, torch.compile compiles the copy in its next step, which is
+    timed apart. median_seconds times the steps after those. Where torch keeps a peak of memory
+    (CUDA, XPU), the timed steps' peak is read too."""
     model, batch = copy.deepcopy(model).to(device), to_device(batch, device)
-    optimizer = make_optimizer(model, LR)
+    optimizer, trained = make_optimizer(model, LR), model
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
     memory = torch.get_device_module(device.type)
 
     def seconds_a_step(n):
         # n steps end in train_epoch's one host sync: the time is the device's, not the launches'.
         start = time.perf_counter()
-        train_epoch(model, [batch] * n, optimizer, criterion, scaler, device, amp_dtype)
+        train_epoch(trained, [batch] * n, optimizer, criterion, scaler, device, amp_dtype)
         return (time.perf_counter() - start) / n
-    # Every step saves the same tensors for backward.
-    with count_saved_tensors(model) as measured:
-        step = seconds_a_step(1)
-    # The first steps allocate memory and pick kernels, so they are not timed. The two after
-    # the first say how many steps fit in the rounds. A step longer than a round's share of
-    # `seconds` (emulated bf16, say) hides those costs, so one step is timed, once.
-    rounds, per_round = 1, 1
-    if step <= seconds / TIMED_ROUNDS:
-        step = seconds_a_step(2)
-        rounds, per_round = TIMED_ROUNDS, int(min(steps, seconds / TIMED_ROUNDS / step))
-    log(f"  {label}: a step took {cell('step_seconds', step)}, so {rounds} rounds of {per_round} "
-        "steps are timed")
+    # Every step saves the same tensors for backward, and computes the same FLOPs.
+    with count_saved_tensors(model) as measured, FlopCounterMode(display=False) as flop:
+        seconds_a_step(1)
+    measured.update(step_flop=flop.get_total_flops(), conv_flop=sum(
+        count for op, count in flop.get_flop_counts()["Global"].items() if "conv" in str(op)))
+    # A copy of a compiled model is not compiled, so the copy is compiled here.
+    if compile:
+        log(f"  {label}: compiling")
+        trained = compiled(model, device)
+        measured["compile_seconds"] = seconds_a_step(1)
     if hasattr(memory, "max_memory_allocated"):
         memory.reset_peak_memory_stats(device)
-    timed = [seconds_a_step(per_round) for _ in range(rounds)]
+    median = median_seconds(seconds_a_step, seconds, steps, label, log)
     if hasattr(memory, "max_memory_allocated"):
         measured["peak_bytes"] = memory.max_memory_allocated(device)
-    # The middle round's steps.
-    median = sorted(timed)[len(timed) // 2]
-    return {**measured, "median_step_seconds": median, "samples_per_second": len(batch[1]) / median}
+    return {**measured, "median_step_seconds": median, "samples_per_second": len(batch[1]) / median,
+            "achieved_flops": measured["step_flop"] / median}
+
+
+def device_rates(device, precisions, log):
+    """The FLOPs a second that `device` reaches in a matmul and in a convolution. They come as
+    (matmul, convolution) by precision, as PRECISIONS names them. fp32 is computed as torch is
+    set, and CUDA may compute it in TF32. FlopCounterMode counts their FLOPs as it counts a
+    model's, and median_seconds times rounds of about 200 ms. These rates are what the device
+    reaches here, not its datasheet's peak, so a model's steps may pass them."""
+    rates = {}
+    for precision in precisions:
+        dtype, rates[precision] = PRECISIONS[precision] or torch.float32, []
+        for name in ("matmul", "convolution"):
+            # Doubled until a call takes 10 ms, so that the arithmetic bounds it, not the
+            # launches. A size's first call picks its kernel, as cuDNN times its algorithms.
+            for size in (1, 2, 4, 8, 16, 32, 64):
+                run = functools.partial(seconds_a_call, *probe(name, size, dtype, device), device)
+                run(1)
+                if run(1) >= 0.01:
+                    break
+            with FlopCounterMode(display=False) as flop:
+                run(1)
+            seconds = median_seconds(run, 0.6, math.inf, f"{precision} {name}", log)
+            rates[precision].append(flop.get_total_flops() / seconds)
+    return rates
+
+
+def probe(name, size, dtype, device):
+    """A matmul of two square matrices of side 256 * size, or a 3x3 convolution of 64 channels
+    on 16 * size images of 32x32 in the device's image_layout: the op, and its inputs."""
+    if name == "matmul":
+        matrix = torch.randn(256 * size, 256 * size, dtype=dtype, device=device)
+        return torch.mm, [matrix, matrix]
+    layout = image_layout(device)
+    images = torch.randn(16 * size, 64, 32, 32, dtype=dtype, device=device)
+    kernel = torch.randn(64, 64, 3, 3, dtype=dtype, device=device)
+    return nn.functional.conv2d, [images.contiguous(memory_format=layout),
+                                  kernel.contiguous(memory_format=layout)]
+
+
+def seconds_a_call(op, inputs, device, calls):
+    """The seconds that a call of op(*inputs) takes on `device`, over `calls` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        op(*inputs)
+    torch.get_device_module(device.type).synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def compiled(model, device):
+    """torch.compile(model), once a tiny compile shows that torch can compile for `device`
+    here. Inductor fails at the first call of what it compiled, not at torch.compile, so the
+    tiny one is called at once: a CPU without a C++ compiler fails there, for example."""
+    try:
+        torch.compile(nn.GELU())(torch.ones(2, device=device))
+    except Exception as e:
+        raise UsageError(f"torch cannot compile for {device.type} here ({type(e).__name__}): "
+                         "run without --compile")
+    return torch.compile(model)
 
 
 def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps=20, seconds=30,
-                name="model", log=print):
+                name="model", log=print, compile=False):
     """What AMP buys on `model`, measured side by side. Copies of it train on one batch of
-    inputs and targets, in fp32 and with amp_dtype. amp_dtype is torch.bfloat16 or
-    torch.float16, as train_epoch takes it. Each precision takes up to 3 warm-up steps. Then
-    its steps are timed in 3 rounds of at most `steps` steps, as many as fit in `seconds`.
-    log() hears when each precision starts, and how many steps it times.
+    inputs and targets, in fp32 and with amp_dtype, compiled by torch.compile with `compile`.
+    amp_dtype is torch.bfloat16 or torch.float16, as train_epoch takes it. Each precision takes
+    up to 3 warm-up steps. Then its steps are timed in 3 rounds of at most `steps` steps, as
+    many as fit in `seconds`. log() hears when each precision starts, and how many steps it
+    times.
 
     Returns a dict with "fp32" and "bf16" or "fp16". Each holds the bytes that autograd saved
     for backward, the activations and autocast's weight copies. Each holds the median step's
-    time, the samples per second, and on CUDA and XPU the peak memory. "fp16_check" holds what
-    check_fp16 found before any step, and the "seconds" it took. The labels that amp_report
-    prints come too. The global RNG is left as it was.
+    time, the samples per second, and on CUDA and XPU the peak memory. Each holds the FLOPs a
+    step, all and the convolutions', and the FLOPs a second that the steps achieved. The
+    device's own rates, measured by device_rates, give "limit_seconds", the time a step would
+    take at those rates, and "rate_share", that time's share of the median step's. "fp16_check"
+    holds what check_fp16 found. The labels that amp_report prints come too.
+    The global RNG is left as it was.
     """
-    # Any other amp_dtype raises a KeyError.
+    if amp_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"amp_dtype is torch.bfloat16 or torch.float16, not {amp_dtype!r}")
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[amp_dtype]
     device = torch.device(device)
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
                 "precision": precision}
     # Dropout draws from the global RNG. The caller's next draws are those it would have had.
     with same_rng(device):
-        log("checking fp16")
-        measured["fp16_check"] = check_fp16(model, batch, criterion, device)
+        log("measuring the device's rates")
+        rates = device_rates(device, ["fp32", precision], log)
         for label in ("fp32", precision):
             log(f"measuring {label}")
-            measured[label] = measure_training(model, batch, criterion, device,
-                                               PRECISIONS[label], steps, seconds, label, log)
+            figures = measure_training(model, batch, criterion, device, PRECISIONS[label], steps,
+                                       seconds, label, log, compile)
+            # A step at the device's rates: its convolutions at the convolution's, and the rest
+            # at the matmul's, as fp32 convolutions can run in TF32 where matmuls do not.
+            matmul, conv = rates[label]
+            figures["limit_seconds"] = (figures["conv_flop"] / conv
+                                        + (figures["step_flop"] - figures["conv_flop"]) / matmul)
+            figures["rate_share"] = figures["limit_seconds"] / figures["median_step_seconds"]
+            measured[label] = figures
+        log("checking fp16")
+        measured["fp16_check"] = check_fp16(model, batch, criterion, device)
     return measured
 
 
@@ -922,16 +1051,27 @@ def amp_report(measured):
     fp16 does follows. The last line is a verdict to paste into a bug report."""
     name = measured["precision"]
     fp32, amp, fp16 = measured["fp32"], measured[name], measured["fp16_check"]
-    lines = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"]
+    lines, ratios = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"], {}
     for key in fp32:
-        ratio = amp[key] / fp32[key]
-        lines.append(f"{key:<22}{cell(key, fp32[key]):>16}{cell(key, amp[key]):>16}{ratio:>12.2f}")
-    step = amp["median_step_seconds"] / fp32["median_step_seconds"]
-    # AMP halves the activations, and adds its weight copies, of which fp32 makes none.
-    memory = amp["saved_bytes"] / fp32["saved_bytes"]
+        # A figure that is 0 in fp32, such as the convolutions' FLOPs of a model with none, has
+        # no ratio.
+        ratios[key] = amp[key] / fp32[key] if fp32[key] else math.nan
+        lines.append(f"{key:<22}{cell(key, fp32[key]):>16}{cell(key, amp[key]):>16}"
+                     f"{ratios[key]:>12.2f}")
     # Within 5% of fp32's time, the two are as fast as each other: a shared machine's steps
     # vary that much. bisect finds the band that the ratio falls in.
+    step, share = ratios["median_step_seconds"], amp["rate_share"]
     speed = ["faster", "about as fast as fp32", "slower"][bisect.bisect([0.95, 1.05], step)]
+    # Steps that reach most of the device's measured rate are bound by its arithmetic. Far
+    # below it, launches bound them where AMP's fewer bytes do not speed them up, and memory
+    # where they do.
+    bound = ["memory bounds them, and AMP's halved bytes are what it buys",
+             "arithmetic bounds them, with launches or memory",
+             "arithmetic bounds them, and AMP buys what the hardware allows"][
+        bisect.bisect(BOUND_SHARES, share)]
+    if share < BOUND_SHARES[0] and speed != "faster":
+        bound = "kernel launches bound them, and --compile or a larger batch can speed them up " \
+                "where AMP cannot"
     lines.append(f"fp16 as autocast runs it here, checked on this batch in {fp16['seconds']:.2f} s, "
                  f"as long as {fp16['seconds'] / fp32['median_step_seconds']:.1f} fp32 steps:")
     if fp16["scale"] is not None:
@@ -948,15 +1088,18 @@ def amp_report(measured):
     return lines + [
         "  bf16 has fp32's range, so none of this applies to bf16",
         f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}, torch "
-        f"{torch.__version__}: {name} steps take {step:.2f}x fp32's time, {memory:.2f}x its "
-        f"memory saved for backward; AMP is {speed} here; {fp16['verdict']}"]
+        f"{torch.__version__}: {name} steps take {step:.2f}x fp32's time, where a step at the "
+        f"device's measured rate would take {ratios['limit_seconds']:.2f}x; they reach {share:.2%}"
+        f" of that rate, so {bound}; {ratios['saved_bytes']:.2f}x the memory saved for backward;"
+        f" AMP is {speed} here; {fp16['verdict']}"]
 
 
 def cell(key, value):
-    """A value of amp_report's table in the unit of its kind, with the decimals that it needs
-    and no exponent."""
-    scale, unit, decimals = UNITS[key.rsplit("_", 1)[1]]
-    return f"{value / scale:,.{decimals}f} {unit}"
+    """A value of amp_report's table in the largest unit of its kind that it reaches, with the
+    decimals that the kind needs and no exponent."""
+    first, factor, units, decimals = UNITS[key.rsplit("_", 1)[1]]
+    power = bisect.bisect([factor**n for n in range(1, len(units))], value / first)
+    return f"{value / first / factor**power:,.{decimals}f} {units[power]}"
 
 
 def run_memory(args, device):
@@ -977,9 +1120,9 @@ def run_memory(args, device):
         model, criterion = model.to(memory_format=image_layout(device)), nn.CrossEntropyLoss()
         batch = torch.randn(args.batch_size, 3, side, side), torch.randint(0, 10, [args.batch_size])
     print0(f"memory | torch {torch.__version__} | device {device_label(device)} | model "
-        f"{args.model} | batch {args.batch_size}", *precision_notes)
+           f"{args.model} | batch {args.batch_size} | compile {args.compile}", *precision_notes)
     print0(*amp_report(measure_amp(model, batch, criterion, device, PRECISIONS[precision],
-                                   name=args.model, log=print0)))
+                                   name=args.model, log=print0, compile=args.compile)))
     return 0
 
 
@@ -1250,6 +1393,8 @@ def make_parser():
     add("--clip-grad-norm", default=0.0, type=number(float, 0, math.inf, "0 or more"),
         help="the gradients' largest norm; 0: off")
     add("--accum-steps", default=1, type=count, help="micro-batches per optimizer step")
+    add("--compile", action="store_true", help="torch.compile the model that trains, in every "
+        "example; the first step compiles it")
     add("--run-dir", metavar="DIR", help="save DIR/checkpoint.pt and DIR/metrics.jsonl each epoch")
     add("--resume", action="store_true",
         help="go on with --run-dir's run, with its flags unless given again")

@@ -210,7 +210,7 @@ def test_readmes_own_loss_block_trains_each_form_as_the_docs_loop_and_measures_w
     measured, fp32, bf16 = user["measured"], user["measured"]["fp32"], user["measured"]["bf16"]
     assert 0.4 <= bf16["saved_bytes"] / fp32["saved_bytes"] <= 1.0, measured
     assert (measured["batch"], bf16["samples_per_second"]) == (16, pytest.approx(
-        16 / bf16["median_step_seconds"])) and "its memory saved for backward; AMP is" in out
+        16 / bf16["median_step_seconds"])) and "the memory saved for backward; AMP is" in out
     # It leaves the model, its buffers and the global RNG as they were, with dropout too.
     model, batch = nn.Sequential(small_model(), nn.Dropout()), (torch.randn(4, 3, 8, 8),
                                                                  torch.arange(4))
@@ -557,7 +557,7 @@ def test_a_cpus_label_names_the_16_bit_instructions_that_torch_finds_and_proc_cp
     listed = x86[0].split() if x86 else [name for name in known if known[name]]
     expected = [name for name in amp_train.CPU_16BIT if name in listed and name in known]
     assert list(amp_train.cpu_16bit()) == expected, listed
-    assert amp_train.device_label(CPU) == f"cpu (16-bit instructions: {expected})"
+    assert amp_train.device_label(CPU) == f"cpu (16-bit instructions: {' '.join(expected) or 'none'})"
 
 
 def test_a_gpus_label_reads_fp32s_precision_by_the_api_torch_has_and_never_raises(monkeypatch):
@@ -1153,24 +1153,66 @@ def test_checkpointing_changes_none_of_the_checks_figures():
     (0.001, 3, 20), (2.0, 3, 5), (4.0, 3, 2), (9.0, 3, 1), (52.0, 1, 1)])
 def test_steps_are_timed_in_3_rounds_of_what_fits_in_30_s_or_once_where_a_step_is_longer(
         step, rounds, per_round, monkeypatch):
-    clock, trained, heard, models = [0.0], [], [], set()
+    clock, trained, heard, calls = [0.0], [], [], collections.Counter()
 
     def train_epoch(model, loader, *args):
-        # A clock that each step moves on by `step` seconds, and a model's first step by 10%
-        # more, as it allocates memory: nothing here is timed. The warm-up sizes the rounds.
+        # A clock that each step moves on by `step` seconds, and each model's first timed step
+        # by 10% more, as it allocates memory: nothing here is timed. The warm-up sizes rounds.
         trained.append(len(loader))
-        clock[0] += step * len(loader) * [1.0, 1.1][id(model) not in models]
-        models.add(id(model))
+        calls[id(model)] += 1
+        clock[0] += step * len(loader) * [1.0, 1.1][calls[id(model)] == 2]
     monkeypatch.setattr(amp_train, "train_epoch", train_epoch)
     monkeypatch.setattr(amp_train, "check_fp16", lambda *args: {})
+    monkeypatch.setattr(amp_train, "device_rates", lambda *args: {"fp32": (1, 1), "bf16": (1, 1)})
     monkeypatch.setattr(amp_train, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
     measured = amp_train.measure_amp(nn.Linear(10, 1), batch_of(4), MSE, "cpu", log=heard.append)
-    # The first step, then 2 more untimed where a step fits a round's share, then the rounds.
-    assert trained == ([1, 2][:1 + (rounds > 1)] + [per_round] * rounds) * 2, trained
+    # The counted first step, the first timed, 2 more where a step fits a round's share, and
+    # the rounds.
+    assert trained == ([1, 1, 2][:2 + (rounds > 1)] + [per_round] * rounds) * 2, trained
     assert measured["bf16"]["median_step_seconds"] == pytest.approx(step), measured
     told = amp_train.cell("step_seconds", step * [1.0, 1.1][rounds == 1])
-    assert heard[2] == f"  fp32: a step took {told}, so {rounds} rounds of {per_round} steps are " \
-        "timed", heard
+    assert heard[2] == f"  fp32: one took {told}, so {rounds} rounds of {per_round} are timed"
+
+
+def test_a_steps_flops_limit_and_share_come_from_its_counted_flops_and_the_devices_rates(
+        monkeypatch):
+    # 5 images of 3x8x8: a 3x3 conv to 8 channels of 6x6, then a Linear from 288 to 4. The first
+    # layer's backward computes its weight's gradient alone, and the Linear's its input's too.
+    conv, linear = 2 * 5 * 8 * 6 * 6 * 3 * 9, 2 * 5 * 288 * 4
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(288, 4))
+    rates = {"fp32": (1e9, 4e9), "bf16": (8e9, 8e9)}
+    monkeypatch.setattr(amp_train, "device_rates", lambda *args: rates)
+    monkeypatch.setattr(amp_train, "median_seconds", lambda run, *args: 0.5)
+    measured = amp_train.measure_amp(model, (torch.randn(5, 3, 8, 8), torch.arange(5) % 4),
+                                     nn.CrossEntropyLoss(), CPU, log=len)
+    for precision, (matmul, convolution) in rates.items():
+        figures = measured[precision]
+        limit = 2 * conv / convolution + 3 * linear / matmul
+        assert (figures["step_flop"], figures["conv_flop"]) == (2 * conv + 3 * linear, 2 * conv)
+        assert figures["achieved_flops"] == (2 * conv + 3 * linear) / 0.5, figures
+        assert (figures["limit_seconds"], figures["rate_share"]) == (
+            pytest.approx(limit), pytest.approx(limit / 0.5)), figures
+    with pytest.raises(ValueError, match=r"torch\.bfloat16 or torch\.float16, not 'bf16'$"):
+        amp_train.measure_amp(model, (torch.randn(5, 3, 8, 8), torch.arange(5)), MSE, CPU, "bf16")
+
+
+def test_the_devices_rates_are_counted_flops_a_second_of_probes_grown_to_10_ms_a_call(
+        monkeypatch):
+    timed = []
+
+    def seconds_a_call(op, inputs, device, calls):
+        # A call takes 10 ms from 2**20 values in the first input on: a 1024x1024 matrix, or
+        # 16 images of 64 channels of 32x32.
+        op(*inputs)
+        return inputs[0].numel() * 1e-8
+    monkeypatch.setattr(amp_train, "seconds_a_call", seconds_a_call)
+    monkeypatch.setattr(amp_train, "median_seconds", lambda run, *args: timed.append(args) or 2.0)
+    rates = amp_train.device_rates(CPU, ["fp32", "bf16"], len)
+    # A 3x3 convolution of 64 channels takes 32x32 images to 30x30.
+    flop = [2 * 1024**3, 2 * 16 * 64 * 30 * 30 * 64 * 9]
+    assert rates == {"fp32": [n / 2 for n in flop], "bf16": [n / 2 for n in flop]}, rates
+    assert [args[2] for args in timed] == ["fp32 matmul", "fp32 convolution", "bf16 matmul",
+                                           "bf16 convolution"], timed
 
 
 def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_that_fit(
@@ -1179,17 +1221,21 @@ def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_t
     fake_cpu(monkeypatch)
     ok(["--device", "cpu", "--example", "memory", "--model", "linear"])
     out = capsys.readouterr().out
-    assert out.startswith("memory | torch ") and "| model linear | batch 128\nnote: bf16 is not " \
-        "native on cpu here, so it is slower than fp32\n" in out, out
-    for row in (r"saved_bytes +0\.01 MiB +0\.00 MiB +0\.58",
+    assert out.startswith("memory | torch ") and "| model linear | batch 128 | compile False\n" \
+        "note: bf16 is not native on cpu here, so it is slower than fp32\n" in out, out
+    # The post's Linear(10, 1) saves 6 KiB in fp32, and computes 5,120 FLOPs a step: 2,560 in its
+    # forward pass and as many for its weight's gradient.
+    for row in (r"saved_bytes +6\.00 KiB +3\.50 KiB +0\.58", r"step_flop +5\.1 kFLOP +5\.1 kFLOP +1\.00",
                 r"samples_per_second +[\d,]+ /s +[\d,]+ /s +[\d.]+",
                 r"fp16 as autocast runs it here, checked on this batch in [\d.]+ s, as long as "
                 r"[\d.]+ fp32 steps:",
                 r"  the largest gradient that grows with the loss is 0\.8\d+, so the "
                 r"GradScaler's scale settles near 2\*\*16",
-                r"verdict: linear, batch 128, cpu \(16-bit instructions: \[\]\), torch .*: bf16 "
-                r"steps take [\d.]+x fp32's time, 0\.\d\dx its memory saved for backward; AMP is "
-                r".* here; fp16 keeps the loss and the weights' gradients finite"):
+                r"verdict: linear, batch 128, cpu \(16-bit instructions: none\), torch .*: bf16 "
+                r"steps take [\d.]+x fp32's time, where a step at the device's measured rate "
+                r"would take [\d.]+x; they reach [\d.]+% of that rate, so kernel launches bound "
+                r".*; 0\.58x the memory saved for backward; AMP is .* here; fp16 keeps the loss "
+                r"and the weights' gradients finite"):
         assert re.search(f"^{row}$", out, re.M), (row, out)
 
 
@@ -1205,27 +1251,39 @@ FP16_LINES = [
      ["  no fp16 gradient grows with the loss, so the GradScaler's scale keeps growing"]),
     ({"largest_gradient": None, "scale": None},
      ["  the loss or a weight's gradient is inf or NaN, so no scale is named"])]
+# What bounds a step, by its share of the device's measured rate and the bf16/fp32 step.
+BOUNDS = [(0.8, 0.5, "arithmetic bounds them, and AMP buys what the hardware allows"),
+          (0.4, 0.5, "arithmetic bounds them, with launches or memory"),
+          (0.1, 0.8, "memory bounds them, and AMP's halved bytes are what it buys"),
+          (0.1, 1.0, "kernel launches bound them, and --compile or a larger batch can speed them "
+                     "up where AMP cannot")]
 
 
-@pytest.mark.parametrize("step,speed,fp16,says", [
-    (0.93, "faster", *FP16_LINES[0]), (1.04, "about as fast as fp32", *FP16_LINES[1]),
-    (1.1, "slower", *FP16_LINES[2])])
-def test_the_verdict_says_faster_beyond_5_percent_and_each_value_comes_in_its_kinds_unit(
-        step, speed, fp16, says):
-    # From 5e-5 s and 5 KiB to 1.3 million samples a second: fixed decimals, no exponent.
-    fp32 = {"saved_bytes": 5 * 2**10, "median_step_seconds": 5e-5, "samples_per_second": 1325060.4}
+@pytest.mark.parametrize("share,step,bound", BOUNDS)
+@pytest.mark.parametrize("fp16,says", FP16_LINES)
+def test_the_report_names_what_bounds_a_step_what_fp16_does_and_each_value_in_a_unit_that_fits(
+        share, step, bound, fp16, says):
+    # From 5 KiB and 50 µs to 1.3 million samples and 1.5 TFLOPs a second: no exponent.
+    fp32 = {"saved_bytes": 5 * 2**10, "median_step_seconds": 5e-5, "samples_per_second": 1325060.4,
+            "achieved_flops": 1.5e12, "limit_seconds": 1e-5, "rate_share": 0.4}
     amp = {"saved_bytes": 3.75 * 2**10, "median_step_seconds": step * 5e-5,
-           "samples_per_second": 1325060.4 / step}
+           "samples_per_second": 1325060.4 / step, "achieved_flops": 1.5e12 / step,
+           "limit_seconds": share * step * 5e-5, "rate_share": share}
     fp16 = {**fp16, "seconds": 1e-4, "verdict": "fp16 makes inf or NaN, first at bmm"}
     lines = amp_train.amp_report({"name": "m", "batch": 1, "device": "cpu", "precision": "bf16",
                                   "fp32": fp32, "bf16": amp, "fp16_check": fp16})
-    assert lines[-1].endswith(f" 0.75x its memory saved for backward; AMP is {speed} here; "
-                              "fp16 makes inf or NaN, first at bmm"), lines[-1]
-    assert lines[1:4] == ["saved_bytes                   0.00 MiB        0.00 MiB        0.75",
-                          f"median_step_seconds           0.050 ms{f'{step * 0.05:.3f} ms':>16}"
-                          f"{step:>12.2f}", f"samples_per_second        1,325,060 /s"
-                          f"{f'{1325060.4 / step:,.0f} /s':>16}{1 / step:>12.2f}"], lines
-    assert lines[4:-1] == [
+    assert lines[-1].endswith(
+        f": bf16 steps take {step:.2f}x fp32's time, where a step at the device's measured rate "
+        f"would take {share * step * 5:.2f}x; they reach {share:.2%} of that rate, so {bound}; "
+        "0.75x the memory saved for backward; AMP is "
+        f"{['faster', 'about as fast as fp32'][step == 1.0]} here; fp16 makes inf or NaN, first "
+        "at bmm"), lines[-1]
+    assert lines[1:3] + lines[4:5] + lines[6:7] == [
+        "saved_bytes                   5.00 KiB        3.75 KiB        0.75",
+        f"median_step_seconds          50.000 µs{f'{step * 50:.3f} µs':>16}{step:>12.2f}",
+        f"achieved_flops             1.5 TFLOP/s{f'{1.5 / step:.1f} TFLOP/s':>16}{1 / step:>12.2f}", f"rate_share                     40.00 %{f'{share * 100:.2f} %':>16}"
+        f"{share / 0.4:>12.2f}"], lines
+    assert lines[7:-1] == [
         "fp16 as autocast runs it here, checked on this batch in 0.00 s, as long as 2.0 fp32 "
         "steps:", *says, "  bf16 has fp32's range, so none of this applies to bf16"], lines
 
