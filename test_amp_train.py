@@ -1,8 +1,8 @@
 """The specification of amp_train.py: each test's name says the one behaviour it checks, in the
 module's order. CUDA cases run where a GPU is. Run: python -m pytest -q"""
 import collections, contextlib, copy, faulthandler, functools, importlib.util, inspect, io
-import json, math, multiprocessing, os, pathlib, pickle, re, signal, socket, subprocess, sys
-import types, unittest.mock, urllib.error
+import itertools, json, math, multiprocessing, os, pathlib, pickle, re, signal, socket
+import subprocess, sys, types, unittest.mock, urllib.error
 
 import numpy as np
 import pytest
@@ -181,7 +181,7 @@ def test_readmes_copy_this_block_holds_the_modules_functions_runs_alone_and_trai
 
 
 def test_readmes_own_loss_block_trains_each_form_as_the_docs_loop_and_measures_what_amp_buys(
-        capsys):
+        monkeypatch, capsys):
     _, user, reference = run_readme_block("## Models that compute their own loss")
     gpt, hf, tokens = reference["gpt"], reference["hf"], reference["tokens"]
     loader = [(t[:, :-1], t[:, 1:]) for t in tokens]
@@ -215,6 +215,7 @@ def test_readmes_own_loss_block_trains_each_form_as_the_docs_loop_and_measures_w
     model, batch = nn.Sequential(small_model(), nn.Dropout()), (torch.randn(4, 3, 8, 8),
                                                                  torch.arange(4))
     before, rng = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    monkeypatch.setattr(amp_train, "device_rates", lambda *args: {"fp32": (1, 1), "fp16": (1, 1)})
     measured = amp_train.measure_amp(model, batch, nn.CrossEntropyLoss(), CPU, FP16, steps=1,
                                      log=len)
     # fp16's own figures and the check's stand apart in the report.
@@ -757,6 +758,45 @@ def test_the_resnet_example_prints_a_fixed_epoch_line_with_units(monkeypatch, ca
     assert re.search(line, out, re.M) and "| data synthetic | batch 4 |" in out, out
 
 
+def test_compile_trains_a_compiled_model_says_so_and_its_checkpoint_keys_stay_plain(
+        spy, run_dir, monkeypatch, capsys):
+    # dynamo compiles, and eager kernels run the graph: the wiring in milliseconds.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    ok(LINEAR + ["--epochs", "2", "--compile", "--run-dir", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "| compile True\ncompiling: the first step compiles the model\ncompiled: the first " \
+        "step took " in out and out.count("compiled: ") == 1, out
+    assert [hasattr(call["model"], "_orig_mod") for call in spy] == [True, True], spy
+    assert list(load(run_dir / "checkpoint.pt")["model"]) == ["weight", "bias"]
+
+
+def test_a_real_compile_trains_as_the_eager_model_does(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    for compile in ([], ["--compile"]):
+        ok(LINEAR + ["--epochs", "3", "--precision", "bf16"] + compile)
+    eager, compiled = re.findall(r"^epoch 3/3 \| train loss ([\d.]+)", capsys.readouterr().out,
+                                 re.M)
+    assert float(compiled) == pytest.approx(float(eager), abs=1e-3), (eager, compiled)
+
+
+def test_progress_comes_every_30_s_at_most_from_the_second_step_on_and_a_compile_is_timed(
+        monkeypatch, capsys):
+    clock = [0.0]
+    monkeypatch.setattr(amp_train, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
+    for compiling in (True, False):
+        # 10 steps of 2 micro-batches, taken as train_epoch takes them. The first step takes
+        # 40 s, and each other 7 s.
+        batches = amp_train.progress(list(range(20)), 2, compiling)
+        for seconds in [40] + [7] * 9:
+            assert len(list(itertools.islice(batches, 2))) == 2
+            clock[0] += seconds
+        assert list(batches) == [], "batches left"
+        lines = capsys.readouterr().out.splitlines()
+        steps = ["  step 2/10 | 7.000 s a step | 56 s left", "  step 7/10 | 7.000 s a step | 21 s left"]
+        assert lines == ["compiling: the first step compiles the model",
+                         "compiled: the first step took 40.0 s"][:2 * compiling] + steps, lines
+
+
 def test_the_training_flags_set_the_batches_the_steps_the_lr_the_norm_and_the_test_batches(
         spy, capsys):
     ok(LINEAR + ["--epochs", "1", "--batch-size", "6"])
@@ -1149,10 +1189,11 @@ def test_checkpointing_changes_none_of_the_checks_figures():
     assert found[0] == found[1] and found[0]["scale"] is not None, found
 
 
+@pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("step,rounds,per_round", [
     (0.001, 3, 20), (2.0, 3, 5), (4.0, 3, 2), (9.0, 3, 1), (52.0, 1, 1)])
 def test_steps_are_timed_in_3_rounds_of_what_fits_in_30_s_or_once_where_a_step_is_longer(
-        step, rounds, per_round, monkeypatch):
+        step, rounds, per_round, compile, monkeypatch):
     clock, trained, heard, calls = [0.0], [], [], collections.Counter()
 
     def train_epoch(model, loader, *args):
@@ -1165,13 +1206,17 @@ def test_steps_are_timed_in_3_rounds_of_what_fits_in_30_s_or_once_where_a_step_i
     monkeypatch.setattr(amp_train, "check_fp16", lambda *args: {})
     monkeypatch.setattr(amp_train, "device_rates", lambda *args: {"fp32": (1, 1), "bf16": (1, 1)})
     monkeypatch.setattr(amp_train, "time", type("Clock", (), {"perf_counter": lambda: clock[0]}))
-    measured = amp_train.measure_amp(nn.Linear(10, 1), batch_of(4), MSE, "cpu", log=heard.append)
-    # The counted first step, the first timed, 2 more where a step fits a round's share, and
-    # the rounds.
-    assert trained == ([1, 1, 2][:2 + (rounds > 1)] + [per_round] * rounds) * 2, trained
+    monkeypatch.setattr(amp_train, "compiled", lambda model, device: model)
+    measured = amp_train.measure_amp(nn.Linear(10, 1), batch_of(4), MSE, "cpu", log=heard.append,
+                                     compile=compile)
+    # The counted first step, the step that compiles, timed apart, the first timed, 2 more
+    # where a step fits a round's share, and the rounds.
+    assert trained == ([1] * (2 + compile) + [2] * (rounds > 1) + [per_round] * rounds) * 2
     assert measured["bf16"]["median_step_seconds"] == pytest.approx(step), measured
-    told = amp_train.cell("step_seconds", step * [1.0, 1.1][rounds == 1])
-    assert heard[2] == f"  fp32: one took {told}, so {rounds} rounds of {per_round} are timed"
+    assert ("compile_seconds" in measured["bf16"]) == compile, measured
+    told = amp_train.cell("step_seconds", step * [1.0, 1.1][rounds == 1 and not compile])
+    assert heard[2 + compile] == f"  fp32: one took {told}, so {rounds} rounds of {per_round} " \
+        "are timed", heard
 
 
 def test_a_steps_flops_limit_and_share_come_from_its_counted_flops_and_the_devices_rates(
@@ -1233,8 +1278,8 @@ def test_the_memory_example_prints_its_header_notes_table_and_verdict_in_units_t
                 r"GradScaler's scale settles near 2\*\*16",
                 r"verdict: linear, batch 128, cpu \(16-bit instructions: none\), torch .*: bf16 "
                 r"steps take [\d.]+x fp32's time, where a step at the device's measured rate "
-                r"would take [\d.]+x; they reach [\d.]+% of that rate, so kernel launches bound "
-                r".*; 0\.58x the memory saved for backward; AMP is .* here; fp16 keeps the loss "
+                r"would take [\d.]+x; they reach [\d.]+% of that rate, so (kernel launches|memory) "
+                r"bound.*; 0\.58x the memory saved for backward; AMP is .* here; fp16 keeps the loss "
                 r"and the weights' gradients finite"):
         assert re.search(f"^{row}$", out, re.M), (row, out)
 
@@ -1333,12 +1378,15 @@ def adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-@pytest.mark.parametrize("argv,optimizer", [
-    (RESNET, None), (LINEAR, None), (LINEAR + ["--precision", "bf16"], None), (LINEAR_FP16, None),
-    (LINEAR, adamw), (LINEAR_FP16, adamw)],
-    ids=["resnet", "fp32", "bf16", "fp16", "fp32-adamw", "fp16-adamw"])
-def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(argv, optimizer, run_dir,
+@pytest.mark.parametrize("argv,optimizer,first", [
+    (RESNET, None, []), (LINEAR, None, []), (LINEAR + ["--precision", "bf16"], None, []),
+    (LINEAR_FP16, None, []), (LINEAR, adamw, []), (LINEAR_FP16, adamw, []),
+    (LINEAR_FP16, None, ["--compile"])],
+    ids=["resnet", "fp32", "bf16", "fp16", "fp32-adamw", "fp16-adamw", "fp16-compiled-first"])
+def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(argv, optimizer, first, run_dir,
                                                                    monkeypatch, capsys):
+    # Compiled by dynamo and run by eager kernels, as in the test of --compile.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     monkeypatch.setattr(torch.amp, "GradScaler", GROWS)
     monkeypatch.setattr(amp_train, "LR_STEP_EPOCHS", 2)
     monkeypatch.setattr(amp_train, "LR_GAMMA", {"resnet": 0.1, "linear": 0.5})
@@ -1346,7 +1394,7 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(argv, optimize
         monkeypatch.setattr(amp_train, "make_optimizer", optimizer)
     a, b = run_dir / "a", run_dir / "b"
     ok(argv + ["--epochs", "5", "--run-dir", str(a)])
-    ok(argv + ["--epochs", "3", "--run-dir", str(b)])
+    ok(argv + ["--epochs", "3", "--run-dir", str(b)] + first)
     # A later epoch, torn: the checkpoint's lines win.
     with open(b / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 4}\n{"epo')
@@ -1475,6 +1523,8 @@ def ddp_worker(rank, argv, out_dir, port, nan_epoch):
     torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
     # A process that waits for ever fails the test instead.
     faulthandler.dump_traceback_later(60, exit=True)
+    # --compile's wiring, as in its own test: dynamo compiles, and eager kernels run the graph.
+    torch.compile = functools.partial(torch.compile, backend="eager")
     # DDP works alike on 256 images: 10,000 take seconds.
     amp_train.resnet18 = small_model
     amp_train.synthetic_cifar10 = lambda size, seed, train=True: cached_synthetic_cifar10(
@@ -1511,9 +1561,12 @@ def test_two_processes_go_on_from_one_each_on_its_share_and_all_stop_when_rank_1
     run = RESNET + ["--max-steps", "1", "--run-dir", str(run_dir / "run")]
     ok(run + ["--epochs", "1"])
     # In epoch 3, the second of this launch, rank 1 alone ends with NaN BatchNorm statistics.
-    rank0, rank1 = run_two_processes(run + ["--epochs", "4", "--resume"], run_dir, nan_epoch=2)
+    # It resumes compiled, as DDP and torch.compile train together.
+    rank0, rank1 = run_two_processes(run + ["--epochs", "4", "--resume", "--compile"], run_dir,
+                                     nan_epoch=2)
     assert (rank0["code"], rank1["code"], len(rank1["trained"])) == (1, 1, 2), rank0["err"]
-    assert rank0["left"] and rank1["left"] and rank1["out"] == rank1["err"] == "", rank1
+    # Rank 1 prints nothing of its own. torch's dynamo may warn there.
+    assert rank0["left"] and rank1["left"] and rank1["out"] == "" and "error" not in rank1["err"]
     assert "error: epoch 3: the model's 1.running_mean holds inf/NaN" in rank0["err"], rank0
     assert load(run_dir / "run" / "checkpoint.pt")["epoch"] == 2, "not the last sound epoch"
     # Each epoch's train loss is the mean over both processes' samples, each on its own share.
@@ -1609,6 +1662,21 @@ def test_a_bad_flag_ends_in_one_line_before_any_training(argv, capsys):
     assert says in run_bad(argv, capsys) and "epoch" not in capsys.readouterr().out
 
 
+@pytest.mark.skipif(os.name == "nt", reason="inductor compiles with MSVC there, not $CXX")
+def test_where_torch_cannot_compile_compile_ends_in_one_line_before_any_training(tmp_path):
+    # Inductor reads $CXX as it is imported, so this runs in a process of its own, with a cache
+    # of its own.
+    env = {**os.environ, "CXX": str(tmp_path / "no-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(
+        tmp_path)}
+    run = subprocess.run([sys.executable, str(HERE / "amp_train.py"), *LINEAR, "--compile"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    last = run.stderr.splitlines()[-1]
+    assert run.returncode == 2 and "train loss" not in run.stdout, run
+    assert run.stderr.count("error: ") == 1, run.stderr
+    assert last.startswith("error: torch cannot compile for cpu here (") and last.endswith(
+        "): run without --compile"), run.stderr
+
+
 @pytest.mark.parametrize("argv,saved", [
     (LINEAR + ["--epochs", "5", "--run-dir", "{run}"], "{run} holds epoch 2"),
     (["--device", "cpu", "--example", "memory", "--model", "linear"], "nothing was saved")])
@@ -1622,6 +1690,7 @@ def test_ctrl_c_ends_in_one_line_that_says_what_was_saved(argv, saved, run_dir, 
             raise KeyboardInterrupt
         return real(*args, **kwargs)
     monkeypatch.setattr(amp_train, "train_epoch", interrupted)
+    monkeypatch.setattr(amp_train, "device_rates", lambda *args: {"fp32": (1, 1), "bf16": (1, 1)})
     assert run_bad([arg.format(run=run_dir) for arg in argv], capsys, status=130) == \
         f"error: stopped by Ctrl-C; {saved.format(run=run_dir)}\n"
     assert "run-dir" not in argv or load(run_dir / "checkpoint.pt")["epoch"] == 2
