@@ -860,14 +860,16 @@ def check_fp16(model, batch, criterion, device):
     loss, fp16, fp16_finite = check.run(rounds=True)
     found.update(zeroed=zeroed(fp32, fp16), skips=not all_finite(check.gradients(loss, 2**16),
                                                                   device).item())
-    # A value that grows with the loss is 2**16 times as large at 2**16 as at 1. Activation
-    # gradients do. Factors such as pow's 3x², or the activations that checkpointing
-    # recomputes, do not. Its size at 1 is read at 2**16, unless it overflows there, since
-    # fp16 makes many gradients zero at 1. 0 stands for a pass with no fp16 gradients.
+    # A value that grows with the loss is 2**16 times as large at 2**16 as at 1, or inf or NaN
+    # there. Activation gradients grow. Factors such as pow's 3x², or the activations that
+    # checkpointing recomputes, are the same at both. A value's size at 1 is read at 2**16
+    # where it is finite there, since fp16 makes many gradients zero at 1. 0 stands for a
+    # pass with no fp16 gradients.
     unscaled, scaled = (torch.stack([*check.largest[s], torch.zeros((), device=device).double()])
                         for s in (1, 2**16))
+    grows = (scaled >= unscaled * 2**15) | ~scaled.isfinite()
     size = torch.where(scaled.isfinite(), scaled / 2**16, unscaled)
-    largest = size[(scaled >= unscaled * 2**15) & size.isfinite()].max().item()
+    largest = size[grows & size.isfinite()].max().item()
     verdict = "fp16 keeps the loss and the weights' gradients finite"
     if not fp32_finite:
         # The model itself, not its copy, whose BatchNorm statistics took what the passes met.

@@ -994,14 +994,19 @@ def scaled(module, factor):
     return module
 
 
+def tiny_gradients(out, _):
+    """A loss whose gradients, about 1e-8, are too small for fp16 but for a GradScaler."""
+    return MSE(out.float(), out.detach().float() + 1e-6)
+
+
+def small_loss(out, targets):
+    """Cross entropy over 1000 times as many targets, of which these are the only wrong ones."""
+    return nn.functional.cross_entropy(out, targets) / 1000
+
+
 def classify(*body):
     """body, then a classifier of the 8 vectors of 16 for 4 classes."""
     return nn.Sequential(*body, nn.Flatten(), nn.Linear(128, 4))
-
-
-def nan_weight(module):
-    module.weight.data[0, 0] = math.nan
-    return module
 
 
 # What fp16 does, by name: (model, inputs, criterion, targets) from 4 seeded sequences x of 8
@@ -1020,7 +1025,7 @@ FP16_CASES = {
         16)), torch.randint(0, 10, (4, 8)), None, None),
     "inf in the data": lambda x: (classify(Attention()), x.index_fill(2, torch.tensor([0]),
                                                                       math.inf), None, None),
-    "NaN in a weight": lambda x: (classify(nan_weight(nn.Linear(16, 16))), x, None, None),
+    "NaN in a weight": lambda x: (classify(scaled(nn.Linear(16, 16), math.nan)), x, None, None),
     "gradients past 65504 at 2**16": lambda x: (nn.Sequential(nn.Flatten(), scaled(nn.Linear(
         128, 4), 300)), x, None, None),
     "a zero-initialized model": lambda x: (nn.Sequential(nn.Flatten(), scaled(nn.Linear(
@@ -1047,7 +1052,17 @@ FP16_CASES = {
                                                                             SDPA(-3.4e38)), x,
                                                                    None, None),
     "log of 0, then BatchNorm": lambda x: (classify(Act("log", 1), nn.BatchNorm1d(8)), x, None,
-                                           None)}
+                                           None),
+    "gradients too small for fp16": lambda x: (nn.Linear(16, 4), torch.randn(64, 16),
+                                               tiny_gradients, None),
+    "conv and BatchNorm": lambda x: (small_model(), torch.randn(8, 3, 8, 8) * 1e-3, None,
+                                     torch.arange(8)),
+    "gelu_new's x**3 past 65504, and a small loss": lambda x: (classify(Act("gelu_new", 30)), x,
+                                                               small_loss, None),
+    "dropout": lambda x: (nn.Sequential(nn.Linear(16, 64), nn.Dropout(), nn.Linear(64, 4)),
+                          torch.randn(1, 16), None, torch.arange(1)),
+    "checkpointed": lambda x: (classify(Checkpointed(nn.Linear(16, 16), nn.GELU(), scaled(
+        nn.Linear(16, 16), 100))), x, None, None)}
 
 
 def fp16_case(name):
@@ -1057,19 +1072,42 @@ def fp16_case(name):
         criterion or nn.CrossEntropyLoss())
 
 
-def real_steps(model, batch, criterion):
-    """Whether a real CPU step keeps its loss and its weights' gradients finite: in fp32, in
-    fp16, and in fp16 at the GradScaler's first scale, 2**16."""
-    finite = []
-    for dtype, scale in (None, 1), (FP16, 1), (FP16, 2**16):
-        copied, (inputs, targets) = copy.deepcopy(model), batch
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = criterion(copied(**inputs) if isinstance(inputs, dict) else copied(inputs),
-                             targets)
-        (loss.float() * scale).backward()
-        finite.append(all(p.grad.isfinite().all() for p in copied.parameters() if p.requires_grad)
-                      and loss.isfinite().item())
-    return finite
+def real_step(model, batch, criterion, dtype=None, scale=1):
+    """A real CPU step of the model in training mode, in fp32 or in fp16 with its loss times
+    `scale`: its weights' gradients, and whether they and the loss are finite. Its dropout
+    masks come from seed 1."""
+    copied, (inputs, targets) = copy.deepcopy(model).train(), batch
+    torch.manual_seed(1)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        loss = criterion(copied(**inputs) if isinstance(inputs, dict) else copied(inputs), targets)
+    (loss.float() * scale).backward()
+    gradients = torch.cat([p.grad.flatten() for p in copied.parameters() if p.requires_grad])
+    return gradients, bool(loss.isfinite() and gradients.isfinite().all())
+
+
+def real_settled_scale(model, batch, criterion, start):
+    """The scale at which a real GradScaler's steps go through, as the docs' loop trains, from
+    `start`. lr 0 gives every step the same gradients, and growth_interval=1 doubles the scale
+    after each step that goes through, so it settles within a few steps."""
+    copied = copy.deepcopy(model).train()
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.0)
+    scaler, scales = torch.amp.GradScaler("cpu", init_scale=start, growth_interval=1), []
+    for _ in range(24):
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=FP16):
+            loss = criterion(copied(batch[0]), batch[1])
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    # The last scales alternate between the one that goes through and twice it, which does not.
+    return min(scales[-4:])
+
+
+def zeroed(fp32, fp16):
+    """The share of the nonzero values of the fp32 gradients that are zero in the fp16 ones."""
+    return ((fp16 == 0) & (fp32 != 0)).sum().item() / max((fp32 != 0).sum().item(), 1)
 
 
 @pytest.mark.parametrize("name,overflow,bad", [
@@ -1088,99 +1126,38 @@ def real_steps(model, batch, criterion):
     ("an fp32 min mask in fp16 before scores past 65504", "bmm in '0'", None),
     ("scores past 65504 before an fp32 min mask in fp16", "bmm in '0'", None),
     ("gelu_new's x**3 past 65504", None, None), ("a sigmoid by hand", "exp in '0'", None),
-    ("log of 0, then BatchNorm", None, "log in '0'")])
-def test_the_fp16_check_names_what_a_real_fp16_step_meets_where_it_begins(name, overflow, bad):
+    ("log of 0, then BatchNorm", None, "log in '0'"), ("gradients too small for fp16", None, None),
+    ("conv and BatchNorm", None, None), ("dropout", None, None), ("checkpointed", None, None),
+    ("gelu_new's x**3 past 65504, and a small loss", None, None)])
+def test_the_fp16_check_is_a_real_fp16_steps_and_names_where_its_inf_or_nan_begins(
+        name, overflow, bad):
     model, batch, criterion = fp16_case(name)
     before = copy.deepcopy(model.state_dict())
-    found = amp_train.check_fp16(model, batch, criterion, "cpu")
-    fp32, fp16, fp16_scaled = real_steps(model, batch, criterion)
+    # The check trains, as the real steps do, a model that evaluate() left in eval mode. Both
+    # draw dropout masks from seed 1.
+    rng = torch.manual_seed(1).get_state()
+    found = amp_train.check_fp16(model.eval(), batch, criterion, "cpu")
+    assert torch.equal(rng, torch.get_rng_state()), "the global RNG moved on"
+    (fp32, fp32_finite), (fp16, fp16_finite) = (real_step(model, batch, criterion, dtype)
+                                                for dtype in (None, FP16))
     assert (found["overflow"], found["bad"]) == (overflow, bad), found
     # fp16 is named where its real loss or gradients are inf or NaN and fp32's are not, and the
     # batch, the model or fp32 where fp32's are too.
-    assert (fp32, fp16) == (bad is None, overflow is bad is None), (fp32, fp16)
-    assert found["skips"] == (not fp16_scaled), found
+    assert (fp32_finite, fp16_finite) == (bad is None, overflow is bad is None), found
+    assert found["skips"] == (not real_step(model, batch, criterion, FP16, 2**16)[1]), found
+    if found["scale"] is not None:
+        scaled = real_step(model, batch, criterion, FP16, 2.0 ** found["scale"])[0]
+        assert [found["zeroed"], found["zeroed_scaled"]] == pytest.approx(
+            [zeroed(fp32, fp16), zeroed(fp32, scaled)], abs=0.02), found
+        start = 2.0 ** (found["scale"] + 3)
+        assert real_settled_scale(model, batch, criterion, start) == 2.0 ** found["scale"], found
     assert all(torch.allclose(before[k], v, rtol=0, atol=0, equal_nan=True) for k, v in
                model.state_dict().items()), "model changed"
 
 
-def real_zeroed(model, batch, criterion, scale):
-    """The share of the weights' nonzero fp32 gradient values that a real CPU fp16 step makes
-    zero, with its loss times `scale`. Both steps draw the same dropout masks."""
-    gradients = []
-    for dtype in (None, FP16):
-        copied = copy.deepcopy(model).train()
-        torch.manual_seed(1)
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            loss = criterion(copied(batch[0]), batch[1])
-        (loss.float() * scale).backward()
-        gradients.append(torch.cat([p.grad.flatten() for p in copied.parameters()]))
-    fp32, fp16 = gradients
-    return ((fp16 == 0) & (fp32 != 0)).sum().item() / (fp32 != 0).sum().item()
-
-
-def real_settled_scale(model, batch, criterion):
-    """The scale at which a real GradScaler's steps go through, as the docs' loop trains. lr 0
-    gives every step the same gradients, and growth_interval=1 doubles the scale after each
-    step that goes through, so it settles within a few steps."""
-    copied = copy.deepcopy(model).train()
-    optimizer = torch.optim.SGD(copied.parameters(), lr=0.0)
-    scaler, scales = torch.amp.GradScaler("cpu", init_scale=2.0**60, growth_interval=1), []
-    for _ in range(80):
-        with torch.autocast("cpu", dtype=FP16):
-            loss = criterion(copied(batch[0]), batch[1])
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        scales.append(scaler.get_scale())
-    # The last scales alternate between the one that goes through and twice it, which does not.
-    return min(scales[-4:])
-
-
-def tiny_gradients(out, _):
-    """A loss whose gradients, about 1e-8, are too small for fp16 but for a GradScaler."""
-    return MSE(out.float(), out.detach().float() + 1e-6)
-
-
-def small_loss(out, targets):
-    """Cross entropy over 1000 times as many targets, of which these are the only wrong ones."""
-    return nn.functional.cross_entropy(out, targets) / 1000
-
-
-# Models whose gradients fp16 makes zero or not, by name: (model, inputs, criterion).
-ZEROED_CASES = {
-    "gradients too small for fp16": lambda: (nn.Linear(16, 4), torch.randn(64, 16),
-                                             tiny_gradients),
-    "conv and BatchNorm": lambda: (small_model(), torch.randn(8, 3, 8, 8) * 1e-3, None),
-    "gelu_new's x**3 past 65504, and a small loss": lambda: (classify(Act("gelu_new", 30)),
-                                                             torch.randn(4, 8, 16), small_loss),
-    "dropout": lambda: (nn.Sequential(nn.Linear(16, 64), nn.Dropout(), nn.Linear(64, 4)),
-                        torch.randn(1, 16), None),
-    "checkpointed": lambda: (nn.Sequential(Checkpointed(nn.Linear(16, 16), nn.GELU(), scaled(
-        nn.Linear(16, 16), 100)), nn.Flatten(), nn.Linear(128, 4)), torch.randn(4, 8, 16),
-                             None)}
-
-
-@pytest.mark.parametrize("name", ZEROED_CASES)
-def test_the_zeroed_shares_and_the_scale_are_those_of_a_real_fp16_step_and_gradscaler(name):
-    torch.manual_seed(0)
-    model, inputs, criterion = ZEROED_CASES[name]()
-    batch, criterion = (inputs, torch.arange(len(inputs)) % 4), criterion or nn.CrossEntropyLoss()
-    # The check trains, as the real steps do, a model that evaluate() left in eval mode.
-    rng, model = torch.get_rng_state(), model.eval()
-    found = amp_train.check_fp16(model, batch, criterion, CPU)
-    assert torch.equal(rng, torch.get_rng_state()), "the global RNG moved on"
-    assert found["zeroed"] == pytest.approx(real_zeroed(model, batch, criterion, 1), abs=0.02)
-    assert found["zeroed_scaled"] == pytest.approx(real_zeroed(
-        model, batch, criterion, 2.0 ** found["scale"]), abs=0.02), found
-    assert 2.0 ** found["scale"] == real_settled_scale(model, batch, criterion), found
-
-
 def test_checkpointing_changes_none_of_the_checks_figures():
-    torch.manual_seed(0)
-    plain = classify(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)))
-    checkpointed = classify(Checkpointed(*plain[0]))
-    checkpointed.load_state_dict(plain.state_dict())
+    plain, checkpointed = (fp16_case(name)[0] for name in ("checkpointed", "checkpointed"))
+    plain[0] = nn.Sequential(*plain[0])
     batch = (torch.randn(4, 8, 16) * 30, torch.arange(4))
     found = [amp_train.check_fp16(model, batch, nn.CrossEntropyLoss(), CPU)
              for model in (plain, checkpointed)]
