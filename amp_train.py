@@ -16,7 +16,7 @@ with the run folder and torchrun's processes. The command line comes last, with 
 user can make. A reader who came for AMP can stop where Part II begins.
 """
 import argparse, bisect, contextlib, copy, functools, gc, io, itertools, json, math, os
-import platform, sys, tempfile, time
+import operator, platform, statistics, sys, tempfile, time
 from collections.abc import Mapping
 
 import torch
@@ -154,21 +154,21 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     loss_sum = torch.zeros((), device=device)
     counted, samples = 0, 0
     batches = iter(loader)
-    # A step's micro-batches stay where the loader made them until their forward pass. So a
-    # loader's host batches take the device's memory one at a time.
-    group = list(itertools.islice(batches, accum_steps))
-    while group:
+    for first in batches:
+        # A step's micro-batches stay where the loader made them until their forward pass. So
+        # a loader's host batches take the device's memory one at a time.
+        group = [first, *itertools.islice(batches, accum_steps - 1)]
         # A gradient left from before never counts, such as one from a micro-batch that raised.
         optimizer.zero_grad(set_to_none=True)
         # to_device(batch, None) checks a batch and moves nothing. The targets that a loss
         # averages over weight it. The count stays on the device: it needs no host sync.
-        checked = [to_device(batch, None)[1] for batch in group]
-        counts = [targets.ne(-100).sum() for targets in checked]
-        counted, samples = counted + sum(counts), samples + sum(map(len, checked))
+        counts = [to_device(batch, None)[1].ne(-100).sum() for batch in group]
+        counted += sum(counts)
         # DDP all-reduces once a step, in the backward pass of its last micro-batch.
         syncs = [no_sync] * (len(group) - 1) + [contextlib.nullcontext]
         for batch, sync, count in zip(group, syncs, counts):
             inputs, targets = to_device(batch, device)
+            samples += len(targets)
             with sync():
                 # Autocast covers the forward pass and the loss, and no more. Backward runs
                 # each op in the dtype that autocast chose for it in the forward pass.
@@ -193,7 +193,6 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
         scaler.update()
         if scheduler is not None:
             scheduler.step()
-        group = list(itertools.islice(batches, accum_steps))
     # With a fused optimizer, the epoch's one host sync. An empty loader gives a mean of NaN.
     return {"loss": (loss_sum / counted).item(), "samples": samples}
 
@@ -252,7 +251,7 @@ def cpu_16bit():
     the precision it computes in."""
     # torch 2.6 has no get_capabilities. There a CPU shows none, and auto trains in fp32 on it.
     capabilities = getattr(torch.cpu, "get_capabilities", dict)()
-    return {name: bits for name, bits in CPU_16BIT.items() if capabilities.get(name)}
+    return {name: CPU_16BIT[name] for name in filter(capabilities.get, CPU_16BIT)}
 
 
 def native_16bit(device):
@@ -437,8 +436,7 @@ def cifar10_transform(device, augment):
     def transform(images, generator):
         if augment:
             images = random_crop_flip(images, generator)
-        images = (images.float() - mean) / std
-        return images.contiguous(memory_format=image_layout(device))
+        return ((images.float() - mean) / std).contiguous(memory_format=image_layout(device))
     return transform
 
 
@@ -461,8 +459,7 @@ def cifar10(root):
     on the folder. The first to take it downloads, and the others then find the files there.
     A lock waits as long as the download takes, where a collective would time out."""
     # filelock comes with torch, and locks on every system.
-    import filelock
-    import torchvision
+    import filelock, torchvision
     # Offline the download fails, and the error below says what to do.
     with contextlib.suppress(OSError, RuntimeError):
         with filelock.FileLock(os.path.join(root, "download.lock")):
@@ -629,15 +626,14 @@ def epoch_problem(record, model, loader, criterion, device):
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     # One host sync for all the model's tensors.
     finite, problem = finite.tolist(), None
+    advice = ": lower --lr, or look for inf/NaN in the data"
     # A mean loss of inf or NaN says that the epoch trained on nonsense, even where the weights
     # stayed finite. Every process has the same mean.
     if not math.isfinite(record["train_loss"]):
-        problem = (f"the epoch's mean train loss is {record['train_loss']}: lower --lr, or look "
-                   "for inf/NaN in the data")
+        problem = f"the epoch's mean train loss is {record['train_loss']}{advice}"
     # NaN weights stay NaN, as do BatchNorm statistics that a skipped inf batch updated.
     if not all(finite):
-        problem = (f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN: lower --lr, "
-                   "or look for inf/NaN in the data")
+        problem = f"the model's {list(tensors)[finite.index(False)]} holds inf/NaN{advice}"
     # check_fp16 says where fp16 overflows, which no loss scale mends. It runs only now.
     if problem is not None and record["precision"] == "fp16":
         verdict = check_fp16(model, next(iter(loader)), criterion, device)["verdict"]
@@ -676,7 +672,7 @@ def count_saved_tensors(model):
     # A weight itself, or a view of it, is no memory saved for backward: it is there anyway.
     for weight in model.parameters():
         saved.pop(weight.untyped_storage().data_ptr(), None)
-    counts["saved_bytes"] = sum(storage.nbytes() for storage in saved.values())
+    counts["saved_bytes"] = sum(map(torch.UntypedStorage.nbytes, saved.values()))
 
 
 class FP16Check(TorchDispatchMode):
@@ -695,7 +691,8 @@ class FP16Check(TorchDispatchMode):
         super().__init__()
         self.model, self.device = copy.deepcopy(model).to(device).train(), device
         (self.inputs, self.targets), self.criterion = to_device(batch, device), criterion
-        self.weights, self.ends = [w for w in self.model.parameters() if w.requires_grad], []
+        self.weights = list(filter(operator.attrgetter("requires_grad"), self.model.parameters()))
+        self.ends = []
         for name, module in self.model.named_modules():
             module.register_forward_pre_hook(functools.partial(self.enter, repr(name)))
             module.register_forward_hook(self.leave)
@@ -714,7 +711,7 @@ class FP16Check(TorchDispatchMode):
             node = nodes.pop()
             if node not in seen:
                 seen.add(node)
-                nodes += [next_node for next_node, _ in node.next_functions]
+                nodes += map(operator.itemgetter(0), node.next_functions)
                 if node.metadata.setdefault("module", name) == name:
                     node.register_prehook(functools.partial(self.backward_in, name))
 
@@ -785,8 +782,8 @@ class FP16Check(TorchDispatchMode):
         if len(self.places) > self.keep:
             for x in filter(torch.is_floating_point, tensors):
                 x.copy_(torch.where(finite_inputs, x.nan_to_num(), x))
-        for x in tensors:
-            if x.dtype == torch.float16 and x.numel() and "empty" not in self.places[-1]:
+        for x in filter(torch.Tensor.numel, tensors):
+            if x.dtype == torch.float16 and "empty" not in self.places[-1]:
                 largest.append(x.abs().amax().double())
         self.largest.setdefault(self.phase, []).extend(largest)
         return results
@@ -808,8 +805,9 @@ class FP16Check(TorchDispatchMode):
 
 def widen(x):
     """x, or fp32 where it is an fp16 tensor or the fp16 dtype."""
-    if isinstance(x, torch.Tensor) and x.dtype == torch.float16:
-        return x.float()
+    # A tensor goes to its dtype widened, which leaves any other tensor as it is.
+    if isinstance(x, torch.Tensor):
+        return x.to(widen(x.dtype))
     # Every other value that an op takes, such as a dtype, a device or a number, is hashable.
     return {torch.float16: torch.float32}.get(x, x)
 
@@ -822,7 +820,7 @@ def all_finite(values, device):
 
 def zeroed(fp32, fp16):
     """The share of the nonzero values of the fp32 gradients that are zero in the fp16 ones."""
-    nonzero = sum(g.count_nonzero() for g in fp32)
+    nonzero = sum(map(torch.count_nonzero, fp32))
     lost = sum((g.ne(0) & h.eq(0)).sum() for g, h in zip(fp32, fp16))
     return (lost / max(nonzero, 1)).item()
 
@@ -907,7 +905,7 @@ def median_seconds(run, seconds, most, label, log):
         rounds, calls = TIMED_ROUNDS, int(min(most, seconds / TIMED_ROUNDS / each))
     log(f"  {label}: one took {cell('step_seconds', each)}, so {rounds} rounds of {calls} are "
         "timed")
-    return sorted(run(calls) for _ in range(rounds))[rounds // 2]
+    return statistics.median_high(map(run, [calls] * rounds))
 
 
 def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds, label, log,
@@ -924,9 +922,8 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
 
     def seconds_a_step(n):
         # n steps end in train_epoch's one host sync: the time is the device's, not the launches'.
-        start = time.perf_counter()
-        train_epoch(trained, [batch] * n, optimizer, criterion, scaler, device, amp_dtype)
-        return (time.perf_counter() - start) / n
+        epoch = (trained, [batch] * n, optimizer, criterion, scaler, device, amp_dtype)
+        return seconds_a_call(train_epoch, epoch, device, 1) / n
     # Every step saves the same tensors for backward, and computes the same FLOPs.
     with count_saved_tensors(model) as measured, FlopCounterMode(display=False) as flop:
         seconds_a_step(1)
@@ -954,7 +951,7 @@ def device_rates(device, precisions, log):
     reaches here, not its datasheet's peak, so a model's steps may pass them."""
     rates = {}
     for precision in precisions:
-        dtype, rates[precision] = PRECISIONS[precision] or torch.float32, []
+        dtype, rates[precision] = PRECISIONS[precision], []
         for name in ("matmul", "convolution"):
             # Doubled until a call takes 10 ms, so that the arithmetic bounds it, not the
             # launches. A size's first call picks its kernel, as cuDNN times its algorithms.
@@ -972,15 +969,15 @@ def device_rates(device, precisions, log):
 
 def probe(name, size, dtype, device):
     """A matmul of two square matrices of side 256 * size, or a 3x3 convolution of 64 channels
-    on 16 * size images of 32x32 in the device's image_layout: the op, and its inputs."""
+    on 16 * size images of 32x32 in the device's image_layout: the op, and its inputs. A dtype
+    of None is torch's default, fp32."""
     if name == "matmul":
         matrix = torch.randn(256 * size, 256 * size, dtype=dtype, device=device)
         return torch.mm, [matrix, matrix]
-    layout = image_layout(device)
-    images = torch.randn(16 * size, 64, 32, 32, dtype=dtype, device=device)
-    kernel = torch.randn(64, 64, 3, 3, dtype=dtype, device=device)
-    return nn.functional.conv2d, [images.contiguous(memory_format=layout),
-                                  kernel.contiguous(memory_format=layout)]
+    like = {"dtype": dtype, "device": device, "memory_format": image_layout(device)}
+    images = torch.empty(16 * size, 64, 32, 32, **like).normal_()
+    kernel = torch.empty(64, 64, 3, 3, **like).normal_()
+    return nn.functional.conv2d, [images, kernel]
 
 
 def seconds_a_call(op, inputs, device, calls):
@@ -1067,24 +1064,24 @@ def amp_report(measured):
     # Steps that reach most of the device's measured rate are bound by its arithmetic. Far
     # below it, launches bound them where AMP's fewer bytes do not speed them up, and memory
     # where they do.
-    bound = ["memory bounds them, and AMP's halved bytes are what it buys",
-             "arithmetic bounds them, with launches or memory",
+    below = ["kernel launches bound them, and --compile or a larger batch can speed them up "
+             "where AMP cannot", "memory bounds them, and AMP's halved bytes are what it buys"][
+        speed == "faster"]
+    bound = [below, "arithmetic bounds them, with launches or memory",
              "arithmetic bounds them, and AMP buys what the hardware allows"][
         bisect.bisect(BOUND_SHARES, share)]
-    if share < BOUND_SHARES[0] and speed != "faster":
-        bound = "kernel launches bound them, and --compile or a larger batch can speed them up " \
-                "where AMP cannot"
-    lines.append(f"fp16 as autocast runs it here, checked on this batch in {fp16['seconds']:.2f} s, "
-                 f"as long as {fp16['seconds'] / fp32['median_step_seconds']:.1f} fp32 steps:")
+    lines.append(f"fp16 as autocast runs it here, checked on this batch in {fp16['seconds']:.2f}"
+                 f" s, as long as {fp16['seconds'] / fp32['median_step_seconds']:.1f} fp32 steps:")
     if fp16["scale"] is not None:
-        lines += [f"  the largest gradient that grows with the loss is {fp16['largest_gradient']:.4g},"
-                  f" so the GradScaler's scale settles near 2**{fp16['scale']}",
-                  f"  fp16 makes {fp16['zeroed']:.2%} of the weights' nonzero gradient values zero, "
-                  f"and {fp16['zeroed_scaled']:.2%} at 2**{fp16['scale']}",
-                  "  at the GradScaler's first scale, 2**16, steps "
+        lines += [f"  the largest gradient that grows with the loss is "
+                  f"{fp16['largest_gradient']:.4g}, so the GradScaler's scale settles near "
+                  f"2**{fp16['scale']}", f"  fp16 makes {fp16['zeroed']:.2%} of the weights' "
+                  f"nonzero gradient values zero, and {fp16['zeroed_scaled']:.2%} at "
+                  f"2**{fp16['scale']}", "  at the GradScaler's first scale, 2**16, steps "
                   f"{['go through', 'are skipped, and the scale falls'][fp16['skips']]}"]
     elif fp16["largest_gradient"] == 0:
-        lines.append("  no fp16 gradient grows with the loss, so the GradScaler's scale keeps growing")
+        lines.append("  no fp16 gradient grows with the loss, so the GradScaler's scale keeps "
+                     "growing")
     else:
         lines.append("  the loss or a weight's gradient is inf or NaN, so no scale is named")
     return lines + [
@@ -1167,7 +1164,8 @@ class RunFolder:
         # A lock on the folder itself, which the kernel frees when the process dies. A folder
         # that cannot be used is let go at once.
         self.lock = os.open(path, os.O_RDONLY)
-        try:
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(self.close)
             try:
                 fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -1183,9 +1181,8 @@ class RunFolder:
                 # A run without torchrun is a launch of its own.
                 if not resume and job != self.job:
                     raise UsageError(f"{path} holds a run: add --resume, or use another --run-dir")
-        except BaseException:
-            self.close()
-            raise
+            # The folder is this run's: the lock stays until close().
+            on_error.pop_all()
 
     def save(self, objects, flags, metrics, checkpoint=True):
         """Writes the checkpoint of epoch len(metrics), if `checkpoint`, then the metrics file.
@@ -1212,13 +1209,13 @@ class NoFolder:
     """Stands in for a RunFolder where nothing is saved. That is without --run-dir, and on
     every process but rank 0, which alone writes."""
 
+    contents = "nothing was saved"
+
     def save(self, *args, **kwargs):
         pass
 
-    contents = "nothing was saved"
-
-    def close(self):
-        pass
+    # Closing, like saving, does nothing.
+    close = save
 
 
 def replace_file(path, data):
@@ -1370,6 +1367,7 @@ def number(kind, low, high, bounds):
 def make_parser():
     """The command line's flags, each with its help and default."""
     count = number(int, 1, sys.maxsize, "1 or more")
+    positive = number(float, math.ulp(0.0), sys.float_info.max, "a finite number more than 0")
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
@@ -1384,9 +1382,7 @@ def make_parser():
         f"taken if its steps take at most {AUTO_MAX_RATIO}x fp32's")
     add("--epochs", default=EPOCHS, type=count, help="a linear epoch is one step")
     add("--batch-size", default=BATCH_SIZE, type=count, help="the batch size per process")
-    add("--lr", default=LR, type=number(float, math.ulp(0.0), sys.float_info.max,
-                                        "a finite number more than 0"),
-        help="SGD's; resnet's falls tenfold every 10 epochs")
+    add("--lr", default=LR, type=positive, help="SGD's; resnet's falls tenfold every 10 epochs")
     add("--data", default="cifar10", choices=["cifar10", "synthetic"],
         help="resnet's; synthetic: 10,000 learnable images, made offline")
     add("--data-root", default="./data", help="resnet's: CIFAR-10's folder")
