@@ -489,7 +489,9 @@ def test_auto_and_readmes_set_up_lines_follow_its_table_and_every_process_takes_
     decided = []
     monkeypatch.setattr(amp_train, "from_rank_0", lambda value: decided.append(value) or value)
     chosen, notes = amp_train.choose_precision("auto", None, None, None, torch.device(kind))
-    assert chosen == auto and notes[0].startswith(f"note: auto trains in {auto}: "), notes
+    # The note names what the device computes in words, never as a Python list.
+    assert chosen == auto and notes[0].startswith(f"note: auto trains in {auto}: ") and "[" not in \
+        notes[0], notes
     for name in ("fp32", "bf16", "fp16"):
         # A Mac refuses what it cannot train in, in one line that says what it can.
         if kind == "mps" and name in not_native:
@@ -1622,7 +1624,9 @@ def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(lau
     ["--clip-grad-norm", "-1"], ["--accum-steps", "1" + "0" * 30],
     ["--seed", "4294967296", "must be from 0 to 2**32 - 1"], ["--device", "cpu", "--resume"],
     ["--example", "memory", "--precision", "fp32", "compares fp32 with AMP: use --precision bf16"],
-    ["--example", "memory", "--model", "fcn_resnet50", "is not a model the memory example knows"],
+    ["--example", "memory", "--model", "fcn_resnet50", "is not a model the memory example knows: "
+     "use linear, resnet18, resnet18-imagenet, or a torchvision classification model such as "
+     "resnet50"],
     RESNET + ["--batch-size", "10001", "more than each process's 10000 training images"],
     LINEAR + ["--run-dir", str(HERE / "no-run"), "--resume", f"nothing to resume in {HERE}"],
     LINEAR + ["--run-dir", str(HERE / "README.md"), "README.md is a file, not a folder"]])
