@@ -680,7 +680,7 @@ class FP16Check(TorchDispatchMode):
     them, forward and backward. A pass runs in fp32, or in fp16 as autocast runs it. Then an op
     whose result autocast makes fp16 runs in fp32 here, and its result is rounded to fp16, as
     tensor cores round theirs. A CPU emulates fp16's own kernels, up to 400x slower than fp32's,
-    so this costs a few fp32 steps instead.
+    so this costs several fp32 steps instead.
 
     Of each op it keeps its place: the op, and the path of the module that ran it, as
     named_modules() gives it. A backward op takes the module of the forward op whose autograd
