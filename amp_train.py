@@ -15,18 +15,22 @@ what AMP buys on a model of your own, and what fp16 risks there. Part II keeps l
 with the run folder and torchrun's processes. The command line comes last, with the errors a
 user can make. A reader who came for AMP can stop where Part II begins.
 """
-import argparse, bisect, contextlib, copy, functools, gc, io, itertools, json, math, os
-import operator, platform, statistics, sys, tempfile, time
+import argparse, contextlib, copy, functools, gc, io, itertools, json, math, os, operator
+import platform, statistics, sys, tempfile, time
 from collections.abc import Mapping
 
+import filelock
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 # A dispatch mode sees each op below autocast and autograd, with its dtypes. torch has no
-# public name for it, nor for pytree, which walks an op's nested arguments.
+# public name for it, nor for pytree, which walks an op's nested arguments, nor for the setting
+# that runs a compiled backward pass outside autocast.
+from torch._functorch import config as functorch_config
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
 
 # The post's settings are SGD with lr 0.01, batch 128, StepLR(10, 0.1) and 100 epochs. Its
 # linear program keeps its lr fixed, and so does the linear example.
@@ -36,6 +40,8 @@ LR = 0.01
 LR_STEP_EPOCHS = 10
 LR_GAMMA = {"resnet": 0.1, "linear": 1.0}
 PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+# The name of each AMP dtype, as the command line and the reports give it.
+AMP_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # The 16-bit precisions that CUDA's tensor cores compute, best first, by the major number of
 # the compute capability. Volta (7.0) computes fp16, and Ampere (8.0) bf16 too.
 CUDA_16BIT = {7: ["fp16"], 8: ["bf16", "fp16"]}
@@ -43,9 +49,10 @@ CUDA_16BIT = {7: ["fp16"], 8: ["bf16", "fp16"]}
 # x86 and ARM, with their precision. A CPU without them emulates it, slower than fp32.
 CPU_16BIT = {"amx_bf16": "bf16", "avx512_bf16": "bf16", "sve_bf16": "bf16", "bf16": "bf16",
              "amx_fp16": "fp16", "avx512_fp16": "fp16", "fp16_arith": "fp16"}
-# On a CPU with bf16 instructions, --precision auto takes bf16 if its median step takes at
-# most AUTO_MAX_RATIO of fp32's. Steps are timed in TIMED_ROUNDS rounds of one host sync each.
-AUTO_MAX_RATIO = 0.9
+# How CUDA computes fp32 matmuls and convolutions: by torch's allow_tf32 flag before torch 2.9,
+# and by its fp32_precision after. "none" all the way up means IEEE fp32.
+FP32_MATH = {False: "ieee", True: "tf32", "none": "ieee", "ieee": "ieee", "tf32": "tf32"}
+# measure_amp times steps in TIMED_ROUNDS rounds of one host sync each.
 TIMED_ROUNDS = 3
 # CIFAR-10's mean and standard deviation, by channel.
 CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
@@ -53,16 +60,22 @@ CIFAR10_MEAN_STD = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 # loss cannot take those. They also warn that their default initialization will change.
 TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
                                     {"aux_logits": False, "init_weights": True})
-# The memory table's units for each kind of value, by the last word of a row's name: the
-# first unit's size, the factor from one unit to the next, the units, and the decimals.
+# The units of amp_report's values: the first unit's size, the factor from one unit to the
+# next, the units, and the decimals.
 UNITS = {"bytes": (1, 1024, ["B", "KiB", "MiB", "GiB", "TiB"], 2),
-         "seconds": (1e-9, 1000, ["ns", "µs", "ms", "s"], 3), "second": (1, 1, ["/s"], 0),
+         "seconds": (1e-9, 1000, ["ns", "µs", "ms", "s"], 3), "per second": (1, 1, ["/s"], 0),
          "share": (0.01, 1, ["%"], 2),
          "flop": (1, 1000, ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"], 1),
          "flops": (1, 1000, ["FLOP/s", "kFLOP/s", "MFLOP/s", "GFLOP/s", "TFLOP/s", "PFLOP/s"], 1)}
-# The share of the device's measured rate above which arithmetic bounds a step, and the one
+# amp_report's rows, in order, each with the unit that its values print in.
+ROWS = {"saved_bytes": "bytes", "peak_bytes": "bytes", "compile_seconds": "seconds",
+        "median_step_seconds": "seconds", "samples_per_second": "per second",
+        "step_flop": "flop", "conv_flop": "flop", "achieved_flops": "flops",
+        "matmul_rate_flops": "flops", "conv_rate_flops": "flops", "rated_seconds": "seconds",
+        "rate_share": "share"}
+# The share of the device's measured rates above which arithmetic bounds a step, and the one
 # below which something else does: kernel launches, or memory.
-BOUND_SHARES = [0.3, 0.6]
+ARITHMETIC_SHARE, OTHER_SHARE = 0.6, 0.3
 # A progress line comes at most this often, in seconds.
 PROGRESS_SECONDS = 30
 
@@ -118,10 +131,11 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     Three choices are ours, not the docs'. First, the gradients are zeroed before each step's
     first micro-batch, not after its step. So no gradient left from before reaches a step.
     Second, accum_steps=K takes one step for every K micro-batches. Each micro-batch's loss is
-    weighted by the targets it averages over. Targets of -100 are padding, which
-    CrossEntropyLoss and Hugging Face's losses skip, so they do not count. So the step is the
-    one that their whole batch would take, but for BatchNorm's statistics. A short group at the
-    end of the loader takes a step of its own. A model that shifts its labels inside, as
+    weighted by the targets it averages over. Integer targets of -100 are padding, which
+    CrossEntropyLoss and Hugging Face's losses skip, so they do not count. Float targets all
+    count, as MSELoss averages over every one. So the step is the one that their whole batch
+    would take, but for BatchNorm's statistics. A short group at the end of the loader takes a
+    step of its own. A model that shifts its labels inside, as
     Hugging Face's causal language models do, needs the shifted ones as its targets.
     Third, a scheduler steps after every step, even one that the scaler skipped. Knowing which
     were skipped would cost a host sync a step.
@@ -161,8 +175,10 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
         # A gradient left from before never counts, such as one from a micro-batch that raised.
         optimizer.zero_grad(set_to_none=True)
         # to_device(batch, None) checks a batch and moves nothing. The targets that a loss
-        # averages over weight it. The count stays on the device: it needs no host sync.
-        counts = [to_device(batch, None)[1].ne(-100).sum() for batch in group]
+        # averages over weight it: all float targets, and the integer ones that are not -100.
+        # The count stays on the device, so it needs no host sync.
+        group_targets = [to_device(batch, None)[1] for batch in group]
+        counts = [(y.ne(-100) | y.is_floating_point()).sum() for y in group_targets]
         counted += sum(counts)
         # DDP all-reduces once a step, in the backward pass of its last micro-batch.
         syncs = [no_sync] * (len(group) - 1) + [contextlib.nullcontext]
@@ -214,7 +230,7 @@ def evaluate(model, loader, criterion, device, amp_dtype):
     for batch in loader:
         inputs, targets = to_device(batch, device)
         # As in train_epoch. A padding target of -100 is never hit.
-        count = targets.ne(-100).sum()
+        count = (targets.ne(-100) | targets.is_floating_point()).sum()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=bool(amp_dtype)):
             outputs = model(**inputs) if isinstance(inputs, dict) else model(inputs)
             sums[0] += criterion(outputs, targets).float() * count
@@ -237,7 +253,8 @@ def resolve_device(name):
     accelerator = "cpu"
     if torch.accelerator.is_available():
         accelerator = torch.accelerator.current_accelerator().type
-    name = name.replace("auto", accelerator)
+    if name == "auto":
+        name = accelerator
     if name == "cpu":
         return torch.device("cpu")
     if name != accelerator:
@@ -263,20 +280,29 @@ def native_16bit(device):
     # MPS emulates neither, so its list is what trains at all: bf16 from macOS 14 on, where
     # autocast takes it. fp16 needs the GradScaler. Its kernels came to MPS in torch 2.8, and
     # MPS's fused optimizers ignored its scale and inf check until 2026 (pytorch PR 186360).
+    if device.type == "mps" and torch.backends.mps.is_macos_or_newer(14, 0):
+        return ["bf16"]
     if device.type == "mps":
-        return ["bf16"] * torch.backends.mps.is_macos_or_newer(14, 0)
+        return []
     if device.type == "xpu":
         return ["bf16", "fp16"]
     return list(dict.fromkeys(cpu_16bit().values()))
 
 
-def auto_amp(device):
-    """The 16-bit precision that --precision auto trusts on `device`, or fp32. bf16 needs no
-    GradScaler, so it comes first. fp16's GradScaler is trusted on CUDA alone."""
+def auto_precision(device):
+    """The precision that --precision auto trains in on `device`, by README's table. bf16 needs
+    no GradScaler, so it comes first. fp16 comes next, on CUDA alone. XPU's unscale_() computes
+    in fp64, which Intel's Arc GPUs lack, and MPS's fp16 is refused above. A CPU takes bf16
+    where AMX computes it. There its steps took 0.38x fp32's. With AVX512-BF16 alone they took
+    up to 1.18x, so such a CPU stays in fp32, and --example memory measures it."""
     native = native_16bit(device)
-    if "bf16" not in native and device.type != "cuda":
+    if device.type == "cuda" and native:
+        return native[0]
+    if device.type == "cpu" and "amx_bf16" not in cpu_16bit():
         return "fp32"
-    return (native + ["fp32"])[0]
+    if "bf16" in native:
+        return "bf16"
+    return "fp32"
 
 
 def device_label(device):
@@ -294,44 +320,27 @@ def device_label(device):
     if hasattr(cuda.matmul, "fp32_precision"):
         matmul, conv = cuda.matmul.fp32_precision, cudnn.conv.fp32_precision
     else:
-        matmul, conv = ["ieee", "tf32"][cuda.matmul.allow_tf32], ["ieee", "tf32"][cudnn.allow_tf32]
-    # torch reads an op's "none" through the settings above it. "none" all the way up means
-    # IEEE fp32.
-    return (f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul "
-            f"{matmul.replace('none', 'ieee')}, conv {conv.replace('none', 'ieee')}; "
-            f"cudnn.benchmark {cudnn.benchmark})")
+        matmul, conv = cuda.matmul.allow_tf32, cudnn.allow_tf32
+    return (f"{device} {torch.cuda.get_device_name(device)} (fp32: matmul {FP32_MATH[matmul]}, "
+            f"conv {FP32_MATH[conv]}; cudnn.benchmark {cudnn.benchmark})")
 
 
-def choose_precision(name, model, batch, criterion, device):
-    """The precision to train in, and the notes that say why. A precision that the device does
-    not compute natively trains with a note, but on MPS, where it cannot train at all. "auto"
-    takes bf16 where it is native, since it needs no GradScaler. It takes fp16 next, but on
-    CUDA alone. XPU's unscale_() computes in fp64, which Intel's Arc GPUs lack. Clipping calls
-    it, and so does step() with an optimizer that is not fused. A CPU's bf16 must earn its
-    place first. Its steps on the run's model and first batch are timed against fp32's. It is
-    taken if they take at most AUTO_MAX_RATIO of fp32's time. Under torchrun every process
-    takes rank 0's choice, on every path."""
-    precision, native, notes = name, native_16bit(device), []
-    if name not in [*native, "fp32", "auto"]:
-        notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
-        # MPS emulates neither. It would train in fp32 or fail, under a header that says 16 bits.
-        if device.type == "mps":
-            raise UsageError(f"{name} does not train on mps here (README's table): use "
-                             f"--precision {' or '.join([*native, 'fp32'])}, or --device cpu")
+def choose_precision(name, device):
+    """The precision to train in, and the notes that say why. "auto" follows auto_precision. A
+    precision that the device does not compute natively trains with a note, but on MPS, where
+    it cannot train at all. Under torchrun every process takes rank 0's choice."""
+    native, notes = native_16bit(device), []
     if name == "auto":
-        precision = auto_amp(device)
-        notes = [f"note: auto trains in {precision}: {device.type} computes "
+        name = auto_precision(device)
+        notes = [f"note: auto trains in {name} (README's table): {device.type} computes "
                  f"{', '.join([*native, 'fp32'])} natively"]
-        # A CPU's bf16 is timed first.
-        if (device.type, precision) == ("cpu", "bf16"):
-            measure = functools.partial(measure_training, model, batch, criterion, device)
-            fp32 = measure(None, 1, math.inf, "auto times fp32", print0)
-            bf16 = measure(torch.bfloat16, 1, math.inf, "auto times bf16", print0)
-            ratio = bf16["median_step_seconds"] / fp32["median_step_seconds"]
-            if ratio > AUTO_MAX_RATIO:
-                precision = "fp32"
-            notes = [f"note: auto trains in {precision}: bf16 steps took {ratio:.2f}x fp32's here"]
-    return from_rank_0((precision, notes))
+    elif name not in [*native, "fp32"]:
+        notes = [f"note: {name} is not native on {device.type} here, so it is slower than fp32"]
+    # MPS emulates neither. It would train in fp32 or fail, under a header that says 16 bits.
+    if device.type == "mps" and name not in [*native, "fp32"]:
+        raise UsageError(f"{name} does not train on mps here (README's table): use "
+                         f"--precision {' or '.join([*native, 'fp32'])}, or --device cpu")
+    return from_rank_0((name, notes))
 
 
 def make_optimizer(model, lr):
@@ -425,7 +434,9 @@ def image_layout(device):
     the layout in which tensor cores and oneDNN compute convolutions. MPS keeps the default
     layout: there BatchNorm's backward gave wrong gradients in channels_last until 2026
     (pytorch issue 175189)."""
-    return {"mps": torch.contiguous_format}.get(device.type, torch.channels_last)
+    if device.type == "mps":
+        return torch.contiguous_format
+    return torch.channels_last
 
 
 def cifar10_transform(device, augment):
@@ -440,17 +451,18 @@ def cifar10_transform(device, augment):
     return transform
 
 
-def synthetic_cifar10(size, seed=0, train=True):
-    """CIFAR-10-shaped uint8 images and labels. Each image is its class's smooth pattern, and
-    noise."""
+def synthetic_cifar10(sizes, seed=0):
+    """CIFAR-10-shaped sets of uint8 images and labels, one of each size in `sizes`, such as a
+    training set and a test set. Each image is its class's smooth pattern, and noise."""
     generator = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, 4, 4, generator=generator)
     patterns = nn.functional.interpolate(patterns, size=(32, 32), mode="bilinear")
-    # The test set draws from seed * 2 + 2, and the training set from seed * 2 + 1.
-    generator.manual_seed(seed * 2 + 2 - train)
-    labels = torch.randint(0, 10, (size,), generator=generator)
-    images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=generator)
-    return (images * 48 + 128).clamp(0, 255).to(torch.uint8), labels
+    sets = []
+    for size in sizes:
+        labels = torch.randint(0, 10, (size,), generator=generator)
+        images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=generator)
+        sets.append(((images * 48 + 128).clamp(0, 255).to(torch.uint8), labels))
+    return sets
 
 
 def cifar10(root):
@@ -488,7 +500,7 @@ def build_example(args, device):
         loader = DeviceLoader(*linear_batch(args.batch_size, args.seed), args.batch_size, device,
                               lambda inputs, generator: inputs)
         return nn.Linear(10, 1).to(device), nn.MSELoss(), loader, []
-    train, test = synthetic_cifar10(10_000, args.seed), synthetic_cifar10(2_000, args.seed, False)
+    train, test = synthetic_cifar10((10_000, 2_000), args.seed)
     if args.data == "cifar10":
         train, test = cifar10(args.data_root)
     # --max-steps N takes N steps an epoch, and N test batches. 0 takes all.
@@ -513,8 +525,7 @@ def train_example(args, device, folder, state):
     training cannot go on."""
     torch.manual_seed(args.seed)
     raw_model, criterion, train_loader, test_loader = build_example(args, device)
-    args.precision, precision_notes = choose_precision(args.precision, raw_model,
-                                                       next(iter(train_loader)), criterion, device)
+    args.precision, precision_notes = choose_precision(args.precision, device)
     optimizer = make_optimizer(raw_model, args.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     # The post's StepLR(10, 0.1), stepped once an epoch. LambdaLR computes each epoch's lr from
@@ -528,8 +539,9 @@ def train_example(args, device, folder, state):
     if state:
         metrics = restore(state, objects, args.lr, os.path.join(args.run_dir, "checkpoint.pt"))
         notes = [f"resumed from {args.run_dir} after epoch {len(metrics)}"]
-    # The linear example trains on its one batch.
-    data = {"linear": "one batch"}.get(args.example, args.data)
+    data = args.data
+    if args.example == "linear":
+        data = "one batch"
     flags = {key: getattr(args, key) for key in RUN_FLAGS}
     print0(f"amp_train | example {args.example} | torch {torch.__version__} | device "
            f"{device_label(device)} | precision {args.precision} | data {data} | batch "
@@ -543,7 +555,7 @@ def train_example(args, device, folder, state):
     # The checkpoint saves raw_model, whose keys torch.compile's wrapper does not prefix. So a
     # run goes on with or without --compile.
     if args.compile:
-        model = compiled(model, device)
+        model = compiled(model, device, PRECISIONS[args.precision])
     # Saved before the first epoch, so that every write is tried before anything is trained.
     folder.save(objects, flags, metrics)
     for epoch in range(first, args.epochs):
@@ -682,65 +694,70 @@ class FP16Check(TorchDispatchMode):
     tensor cores round theirs. A CPU emulates fp16's own kernels, up to 400x slower than fp32's,
     so this costs several fp32 steps instead.
 
-    Of each op it keeps its place: the op, and the path of the module that ran it, as
-    named_modules() gives it. A backward op takes the module of the forward op whose autograd
-    node runs it. Of each fp16 result it keeps the largest magnitude, by phase: the forward
-    pass, or the backward pass by its scale."""
+    A tracked pass keeps each op's place: the op, and the module that runs it, forward or
+    backward, as torch's ModuleTracker and FlopCounterMode name it. That is the model's class
+    and the module's path in named_modules(), such as "GPT.blocks.0.attn". Outside every module
+    of the model and the loss, it is "Global"."""
 
     def __init__(self, model, batch, criterion, device):
         super().__init__()
         self.model, self.device = copy.deepcopy(model).to(device).train(), device
         (self.inputs, self.targets), self.criterion = to_device(batch, device), criterion
         self.weights = list(filter(operator.attrgetter("requires_grad"), self.model.parameters()))
-        self.ends = []
-        for name, module in self.model.named_modules():
-            module.register_forward_pre_hook(functools.partial(self.enter, repr(name)))
-            module.register_forward_hook(self.leave)
+        # How the pass under way runs, as run() sets it: in fp16 or in fp32, whether it is
+        # tracked, and the op from which on its results are made finite.
+        self.fp16, self.tracked, self.keep = False, False, math.inf
+        # What a tracked pass keeps of each op: its place, and whether it made inf or NaN from
+        # finite inputs.
+        self.places, self.made = [], []
+        # The names of the modules whose ops run now, each module's ancestors among them.
+        self.modules = ModuleTracker()
 
-    def enter(self, name, module, args):
-        self.modules.append(name)
-        # The autograd nodes of this module's ops end where those of its inputs begin.
-        self.ends.append({x.grad_fn for x in filter(torch.is_tensor, pytree.tree_leaves(args))})
-
-    def leave(self, module, args, outputs):
-        """Gives the module's name to the autograd nodes of its ops that no module inside it
-        named. Each such node names the backward ops that it runs."""
-        name, seen = self.modules.pop(), {None, *self.ends.pop()}
-        nodes = [x.grad_fn for x in filter(torch.is_tensor, pytree.tree_leaves(outputs))]
-        while nodes:
-            node = nodes.pop()
-            if node not in seen:
-                seen.add(node)
-                nodes += map(operator.itemgetter(0), node.next_functions)
-                if node.metadata.setdefault("module", name) == name:
-                    node.register_prehook(functools.partial(self.backward_in, name))
-
-    def backward_in(self, name, *hook_args):
-        self.modules[-1] = name
-
-    def run(self, rounds, tracked=False, keep=math.inf):
-        """A forward pass, in fp16 where `rounds`, and the weights' gradients of its loss. Where
+    def run(self, fp16, tracked=False, keep=math.inf):
+        """A forward pass, in fp16 where `fp16`, and the weights' gradients of its loss. Where
         `tracked`, it keeps which ops make inf or NaN from finite inputs, and ops from `keep` on
         make none: their results are made finite. Returns the loss, the gradients, and whether
         all of them are finite."""
-        self.rounds, self.tracked, self.keep, self.places, self.made = rounds, tracked, keep, [], []
-        self.largest, self.phase, self.modules = {}, "forward", ["the loss"]
-        # Each pass draws the same dropout masks, and leaves the global RNG as it found it.
-        with same_rng(self.device), self, torch.autocast(self.device.type, dtype=torch.float16,
-                                                         enabled=rounds):
-            outputs = self.model(**self.inputs) if isinstance(self.inputs, dict) else self.model(
-                self.inputs)
-            loss = self.criterion(outputs, self.targets)
-        gradients = self.gradients(loss, 1)
+        self.fp16, self.tracked, self.keep, self.places, self.made = fp16, tracked, keep, [], []
+        # Each pass draws the same dropout masks, and leaves the global RNG as it found it. The
+        # tracker follows the modules into the backward pass of the loss.
+        with same_rng(self.device), self.modules:
+            with self, torch.autocast(self.device.type, dtype=torch.float16, enabled=fp16):
+                outputs = self.model(**self.inputs) if isinstance(self.inputs, dict) else (
+                    self.model(self.inputs))
+                loss = self.criterion(outputs, self.targets)
+            gradients = self.gradients(loss, 1)
         return loss, gradients, all_finite([loss, *gradients], self.device).item()
 
     def gradients(self, loss, scale):
-        """The weights' gradients of the loss times `scale`. Checkpointing changes none."""
-        # The backward ops of the loss come first, and each autograd node then names its own.
-        self.phase, self.modules = scale, ["the loss"]
+        """The weights' gradients of the loss times `scale`, computed as the pass that made the
+        loss ran. Checkpointing changes none."""
         with self:
             return torch.autograd.grad(loss.float() * scale, self.weights, retain_graph=True,
                                        materialize_grads=True)
+
+    def settling_power(self, loss):
+        """The power of 2 near which a GradScaler's scale settles on the fp16 pass's loss. The
+        GradScaler halves its scale after a step whose weights' gradients hold inf or NaN, and
+        doubles it after 2000 steps without. So it settles at the largest power at which they
+        stay finite. At 2**128, past fp32's range, the scaled loss itself is inf."""
+        def overflows(power):
+            return not all_finite(self.gradients(loss, 2.0**power), self.device).item()
+        return first_true(range(1, 129), overflows) - 1
+
+    def blame(self, fp16):
+        """The place of the first op whose inf or NaN reaches the loss or a weight's gradient.
+        Such an op makes inf or NaN from finite inputs. Where the ops up to op i keep their inf
+        and NaN, and later ones make none, the loss and gradients stay finite for each i before
+        that op, and not from it on. The last such op leaves the pass as it is, whose gradients
+        are not finite."""
+        self.run(fp16, tracked=True)
+        places, origins = self.places, torch.stack(self.made).nonzero().flatten().tolist()
+
+        def reaches(i):
+            # Whether inf or NaN reach the loss or a gradient, where no op after i makes any.
+            return not self.run(fp16, True, i + 1)[2]
+        return places[first_true(origins, reaches)]
 
     def __torch_dispatch__(self, func, types, args, kwargs):
         # A view holds no new values.
@@ -755,7 +772,7 @@ class FP16Check(TorchDispatchMode):
         # with no meta kernel, which rounded() needs, or with no fp32 kernel, as flash
         # attention has none.
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            if self.rounds and not func._schema.is_mutable:
+            if self.fp16 and not func._schema.is_mutable:
                 return self.note(func, finite_inputs, self.rounded(func, args, kwargs))
         return self.note(func, finite_inputs, func(*args, **kwargs))
 
@@ -773,43 +790,42 @@ class FP16Check(TorchDispatchMode):
         return pytree.tree_unflatten(results, spec)
 
     def note(self, func, finite_inputs, results):
-        """Keeps what the op made, and returns its results. The result of an op such as
-        empty_like is memory that nothing wrote yet, so its largest value is left out."""
-        self.places.append(f"{func.overloadpacket.__name__} in {self.modules[-1]}")
-        tensors, largest = list(filter(torch.is_tensor, pytree.tree_leaves(results))), []
-        if self.tracked:
-            self.made.append(finite_inputs & ~all_finite(tensors, self.device))
+        """Returns the op's results. A tracked pass keeps the op's place, and whether it made
+        inf or NaN from finite inputs. From op `keep` on, it makes those results finite."""
+        if not self.tracked:
+            return results
+        # A module's name holds those of its ancestors, so the longest is the innermost.
+        module = max(self.modules.parents - {"Global"}, key=len, default="Global")
+        self.places.append(f"{func.overloadpacket.__name__} in {module}")
+        tensors = list(filter(torch.is_tensor, pytree.tree_leaves(results)))
+        self.made.append(finite_inputs & ~all_finite(tensors, self.device))
         if len(self.places) > self.keep:
             for x in filter(torch.is_floating_point, tensors):
                 x.copy_(torch.where(finite_inputs, x.nan_to_num(), x))
-        for x in filter(torch.Tensor.numel, tensors):
-            if x.dtype == torch.float16 and "empty" not in self.places[-1]:
-                largest.append(x.abs().amax().double())
-        self.largest.setdefault(self.phase, []).extend(largest)
         return results
 
-    def blame(self, rounds):
-        """The place of the first op whose inf or NaN reaches the loss or a weight's gradient.
-        Such an op makes inf or NaN from finite inputs, and those ops are bisected. Keeping the
-        inf and NaN of the ops up to op i, and making later ones finite, leaves the loss and
-        gradients finite for each i before that op, and not from it on. Up to the last such
-        op, that is the pass itself, whose gradients are not finite, so bisect finds one."""
-        self.run(rounds, tracked=True)
-        places, origins = self.places, torch.stack(self.made).nonzero().flatten().tolist()
 
-        def reaches(i):
-            # Whether inf or NaN reach the loss or a gradient, where no op after i makes any.
-            return not self.run(rounds, True, i + 1)[2]
-        return places[origins[bisect.bisect_left(origins, True, key=reaches)]]
+def first_true(items, test):
+    """The first of `items` for which test(item) is true, where it is true for every later item
+    and for the last. It is bisected, so test() runs about log2(len(items)) times."""
+    low, high = 0, len(items) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if test(items[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return items[low]
 
 
 def widen(x):
-    """x, or fp32 where it is an fp16 tensor or the fp16 dtype."""
-    # A tensor goes to its dtype widened, which leaves any other tensor as it is.
-    if isinstance(x, torch.Tensor):
-        return x.to(widen(x.dtype))
-    # Every other value that an op takes, such as a dtype, a device or a number, is hashable.
-    return {torch.float16: torch.float32}.get(x, x)
+    """x, or fp32 where it is an fp16 tensor or the fp16 dtype. Every other value that an op
+    takes, such as another tensor, a device or a number, stays as it is."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float16:
+        return x.float()
+    if x is torch.float16:
+        return torch.float32
+    return x
 
 
 def all_finite(values, device):
@@ -827,8 +843,12 @@ def zeroed(fp32, fp16):
 
 def same_rng(device):
     """A block that leaves the global RNG, and `device`'s, as it found them."""
-    # fork_rng keeps the global RNG, and the listed devices', but a CPU's, which is the global one.
-    return torch.random.fork_rng([device] * (device.type != "cpu"), device_type=device.type)
+    # fork_rng keeps the global RNG, which is the CPU's, and the listed devices'. torch has no
+    # CPU RNG apart from the global one to list.
+    devices = []
+    if device.type != "cpu":
+        devices = [device]
+    return torch.random.fork_rng(devices, device_type=device.type)
 
 
 def check_fp16(model, batch, criterion, device):
@@ -836,38 +856,26 @@ def check_fp16(model, batch, criterion, device):
     its weights' gradients, in which a GradScaler looks for inf and NaN. It runs on a copy of
     the model that trains nothing. One forward pass runs in fp32, and one in fp16 under autocast,
     as in train_epoch, through FP16Check. Both draw the same dropout masks. torch.autograd.grad
-    gives each the weights' gradients of its loss. The fp16 pass also gives them at the
-    GradScaler's first scale, 2**16, and at the scale where it settles. device is a torch.device
-    or its name. The global RNG is left as it was.
+    gives each the weights' gradients of its loss. The fp16 pass also gives them at the scales
+    that find where the GradScaler settles. device is a torch.device or its name. The global
+    RNG is left as it was.
 
     Returns a dict. "overflow" names where fp16 first makes inf or NaN that reaches the loss or
     a weight's gradient, or it is None. That is an op with the path of the module that ran it,
     as named_modules() gives it. "bad" names where the fp32 pass meets inf or NaN, or it is
     None: the batch, a tensor of the model, or an op. Then fp16 is not to blame. Where the loss
-    and gradients stay finite, "largest_gradient" is the largest fp16 value of the backward
-    pass that grows with the loss. "scale" is the power of 2 near which the GradScaler's scale
-    settles, if one does. "zeroed" and "zeroed_scaled" are the shares of the weights' nonzero
-    fp32 gradient values that fp16 makes zero, as they are and at that scale. "skips" says
-    whether the GradScaler skips steps at 2**16. "verdict" says what to do, and "seconds" how
-    long the check took.
+    and gradients stay finite, "scale" is the power of 2 near which the GradScaler's scale
+    settles, and otherwise None. "zeroed" and "zeroed_scaled" are the shares of the weights'
+    nonzero fp32 gradient values that fp16 makes zero, as they are and at that scale. "skips"
+    says whether the GradScaler skips steps at its first scale, 2**16. "verdict" says what to
+    do, and "seconds" how long the check took.
     """
     device, start = torch.device(device), time.perf_counter()
     check = FP16Check(model, batch, criterion, device)
-    found = dict.fromkeys(["overflow", "bad", "largest_gradient", "scale", "zeroed_scaled"])
-    _, fp32, fp32_finite = check.run(rounds=False)
-    loss, fp16, fp16_finite = check.run(rounds=True)
-    found.update(zeroed=zeroed(fp32, fp16), skips=not all_finite(check.gradients(loss, 2**16),
-                                                                  device).item())
-    # A value that grows with the loss is 2**16 times as large at 2**16 as at 1, or inf or NaN
-    # there. Activation gradients grow. Factors such as pow's 3x², or the activations that
-    # checkpointing recomputes, are the same at both. A value's size at 1 is read at 2**16
-    # where it is finite there, since fp16 makes many gradients zero at 1. 0 stands for a
-    # pass with no fp16 gradients.
-    unscaled, scaled = (torch.stack([*check.largest[s], torch.zeros((), device=device).double()])
-                        for s in (1, 2**16))
-    grows = (scaled >= unscaled * 2**15) | ~scaled.isfinite()
-    size = torch.where(scaled.isfinite(), scaled / 2**16, unscaled)
-    largest = size[grows & size.isfinite()].max().item()
+    _, fp32, fp32_finite = check.run(fp16=False)
+    loss, fp16, fp16_finite = check.run(fp16=True)
+    found = {"overflow": None, "bad": None, "scale": None, "zeroed": zeroed(fp32, fp16),
+             "zeroed_scaled": None}
     verdict = "fp16 keeps the loss and the weights' gradients finite"
     if not fp32_finite:
         # The model itself, not its copy, whose BatchNorm statistics took what the passes met.
@@ -875,21 +883,22 @@ def check_fp16(model, batch, criterion, device):
         tensors.update((f"the model's {name!r}", [x]) for name, x in model.state_dict().items())
         held = [name for name, values in tensors.items() if not all_finite(values, device)]
         # Where they are finite, an op of the fp32 pass makes the inf or NaN.
-        found["bad"] = held[0] if held else check.blame(False)
+        if held:
+            found["bad"] = held[0]
+        else:
+            found["bad"] = check.blame(fp16=False)
         verdict = ("the fp32 step meets inf or NaN too, so fp16 is not to blame: look at "
                    f"{found['bad']}")
     elif not fp16_finite:
-        found["overflow"] = check.blame(True)
+        found["overflow"] = check.blame(fp16=True)
         verdict = (f"fp16 makes inf or NaN that reaches the loss or a weight's gradient, first at"
                    f" {found['overflow']}: keep that in fp32 (README), or train in bf16")
     else:
-        found["largest_gradient"] = largest
-    # The GradScaler halves its scale after a step with inf or NaN gradients, and doubles it
-    # after 2000 steps without. It settles near the largest power of 2 that keeps the largest
-    # growing value under 65504, fp16's largest.
-    if found["largest_gradient"]:
-        found["scale"] = math.floor(math.log2(65504 / largest))
+        found["scale"] = check.settling_power(loss)
         found["zeroed_scaled"] = zeroed(fp32, check.gradients(loss, 2.0 ** found["scale"]))
+    # The GradScaler's first scale is 2**16. Its steps are skipped there where it settles lower,
+    # or where no scale keeps the loss and gradients finite.
+    found["skips"] = found["scale"] is None or found["scale"] < 16
     return {**found, "verdict": verdict, "seconds": time.perf_counter() - start}
 
 
@@ -903,7 +912,7 @@ def median_seconds(run, seconds, most, label, log):
     if each <= seconds / TIMED_ROUNDS:
         each = run(2)
         rounds, calls = TIMED_ROUNDS, int(min(most, seconds / TIMED_ROUNDS / each))
-    log(f"  {label}: one took {cell('step_seconds', each)}, so {rounds} rounds of {calls} are "
+    log(f"  {label}: one took {cell(each, 'seconds')}, so {rounds} rounds of {calls} are "
         "timed")
     return statistics.median_high(map(run, [calls] * rounds))
 
@@ -932,7 +941,7 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
     # A copy of a compiled model is not compiled, so the copy is compiled here.
     if compile:
         log(f"  {label}: compiling")
-        trained = compiled(model, device)
+        trained = compiled(model, device, amp_dtype)
         measured["compile_seconds"] = seconds_a_step(1)
     if hasattr(memory, "max_memory_allocated"):
         memory.reset_peak_memory_stats(device)
@@ -943,34 +952,33 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
             "achieved_flops": measured["step_flop"] / median}
 
 
-def device_rates(device, precisions, log):
-    """The FLOPs a second that `device` reaches in a matmul and in a convolution. They come as
-    (matmul, convolution) by precision, as PRECISIONS names them. fp32 is computed as torch is
-    set, and CUDA may compute it in TF32. FlopCounterMode counts their FLOPs as it counts a
-    model's, and median_seconds times rounds of about 200 ms. These rates are what the device
-    reaches here, not its datasheet's peak, so a model's steps may pass them."""
+def device_rates(device, precision, log):
+    """The FLOPs a second that `device` reaches in a matmul and in a convolution, in
+    `precision`, as PRECISIONS names it. fp32 is computed as torch is set, and CUDA may compute
+    it in TF32. FlopCounterMode counts their FLOPs as it counts a model's, and median_seconds
+    times rounds of about 200 ms. These rates are what the device reaches here, not its
+    datasheet's peak, so a model's steps may pass them."""
     rates = {}
-    for precision in precisions:
-        dtype, rates[precision] = PRECISIONS[precision], []
-        for name in ("matmul", "convolution"):
-            # Doubled until a call takes 10 ms, so that the arithmetic bounds it, not the
-            # launches. A size's first call picks its kernel, as cuDNN times its algorithms.
-            for size in (1, 2, 4, 8, 16, 32, 64):
-                run = functools.partial(seconds_a_call, *probe(name, size, dtype, device), device)
-                run(1)
-                if run(1) >= 0.01:
-                    break
-            with FlopCounterMode(display=False) as flop:
-                run(1)
-            seconds = median_seconds(run, 0.6, math.inf, f"{precision} {name}", log)
-            rates[precision].append(flop.get_total_flops() / seconds)
+    for name in ("matmul", "conv"):
+        # Doubled until a call takes 10 ms, so that the arithmetic bounds it, not the launches.
+        # A size's first call picks its kernel, as cuDNN times its algorithms.
+        for size in (1, 2, 4, 8, 16, 32, 64):
+            run = functools.partial(seconds_a_call, *probe(name, size, precision, device), device)
+            run(1)
+            if run(1) >= 0.01:
+                break
+        with FlopCounterMode(display=False) as flop:
+            run(1)
+        seconds = median_seconds(run, 0.6, math.inf, f"{precision} {name}", log)
+        rates[f"{name}_rate_flops"] = flop.get_total_flops() / seconds
     return rates
 
 
-def probe(name, size, dtype, device):
+def probe(name, size, precision, device):
     """A matmul of two square matrices of side 256 * size, or a 3x3 convolution of 64 channels
-    on 16 * size images of 32x32 in the device's image_layout: the op, and its inputs. A dtype
-    of None is torch's default, fp32."""
+    on 16 * size images of 32x32 in the device's image_layout: the op, and its inputs, in
+    `precision`. fp32 is torch's default dtype."""
+    dtype = PRECISIONS[precision]
     if name == "matmul":
         matrix = torch.randn(256 * size, 256 * size, dtype=dtype, device=device)
         return torch.mm, [matrix, matrix]
@@ -989,10 +997,23 @@ def seconds_a_call(op, inputs, device, calls):
     return (time.perf_counter() - start) / calls
 
 
-def compiled(model, device):
-    """torch.compile(model), once a tiny compile shows that torch can compile for `device`
-    here. Inductor fails at the first call of what it compiled, not at torch.compile, so the
-    tiny one is called at once: a CPU without a C++ compiler fails there, for example."""
+def compiled(model, device, amp_dtype):
+    """torch.compile(model), set to train in amp_dtype as eager AMP does. torch.compile traces a
+    model's backward pass at its first forward pass. Through torch 2.14 it then runs that
+    backward under the forward's autocast by default. So a part kept in fp32 would get 16-bit
+    weight gradients, and fp16's overflow there would skip steps. This sets the backward pass
+    outside autocast, as in eager mode, for this whole process: torch reads the setting at every
+    trace. A torch without that setting compiles fp32 alone, and bf16 or fp16 end in a
+    UsageError. So does a torch that cannot compile for `device` here."""
+    if hasattr(functorch_config, "backward_pass_autocast"):
+        functorch_config.backward_pass_autocast = "off"
+    elif amp_dtype is not None:
+        raise UsageError(f"torch {torch.__version__} compiles AMP's backward pass under "
+                         "autocast, unlike eager AMP (it has no torch._functorch.config."
+                         "backward_pass_autocast): install a newer torch, run without "
+                         "--compile, or use --precision fp32")
+    # Inductor fails at the first call of what it compiled, not at torch.compile, so a tiny
+    # compile is called at once: a CPU without a C++ compiler fails there, for example.
     try:
         torch.compile(nn.GELU())(torch.ones(2, device=device))
     except Exception as e:
@@ -1004,7 +1025,7 @@ def compiled(model, device):
 def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps=20, seconds=30,
                 name="model", log=print, compile=False):
     """What AMP buys on `model`, measured side by side. Copies of it train on one batch of
-    inputs and targets, in fp32 and with amp_dtype, compiled by torch.compile with `compile`.
+    inputs and targets, in fp32 and with amp_dtype, compiled by `compiled` with `compile`.
     amp_dtype is torch.bfloat16 or torch.float16, as train_epoch takes it. Each precision takes
     up to 3 warm-up steps. Then its steps are timed in 3 rounds of at most `steps` steps, as
     many as fit in `seconds`. log() hears when each precision starts, and how many steps it
@@ -1013,32 +1034,34 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     Returns a dict with "fp32" and "bf16" or "fp16". Each holds the bytes that autograd saved
     for backward, the activations and autocast's weight copies. Each holds the median step's
     time, the samples per second, and on CUDA and XPU the peak memory. Each holds the FLOPs a
-    step, all and the convolutions', and the FLOPs a second that the steps achieved. The
-    device's own rates, measured by device_rates, give "limit_seconds", the time a step would
-    take at those rates, and "rate_share", that time's share of the median step's. "fp16_check"
-    holds what check_fp16 found. The labels that amp_report prints come too.
-    The global RNG is left as it was.
+    step, all and the convolutions', and the FLOPs a second that the steps achieved. Each holds
+    the device's own rates in a matmul and a convolution, measured by device_rates.
+    "rated_seconds" is the time a step would take at those rates, and "rate_share" is that
+    time's share of the median step's. "fp16_check" holds what check_fp16 found. The labels
+    that amp_report prints come too. The global RNG is left as it was.
     """
-    if amp_dtype not in (torch.bfloat16, torch.float16):
+    if amp_dtype not in AMP_NAMES:
         raise ValueError(f"amp_dtype is torch.bfloat16 or torch.float16, not {amp_dtype!r}")
-    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[amp_dtype]
-    device = torch.device(device)
+    precision, device = AMP_NAMES[amp_dtype], torch.device(device)
     measured = {"name": name, "batch": len(batch[1]), "device": device_label(device),
-                "precision": precision}
+                "precision": precision, "compile": compile}
+    # torch.compile traces nothing yet, so a torch that cannot compile AMP says so before
+    # anything is measured.
+    if compile:
+        compiled(model, device, amp_dtype)
     # Dropout draws from the global RNG. The caller's next draws are those it would have had.
     with same_rng(device):
-        log("measuring the device's rates")
-        rates = device_rates(device, ["fp32", precision], log)
         for label in ("fp32", precision):
             log(f"measuring {label}")
             figures = measure_training(model, batch, criterion, device, PRECISIONS[label], steps,
                                        seconds, label, log, compile)
+            figures.update(device_rates(device, label, log))
             # A step at the device's rates: its convolutions at the convolution's, and the rest
             # at the matmul's, as fp32 convolutions can run in TF32 where matmuls do not.
-            matmul, conv = rates[label]
-            figures["limit_seconds"] = (figures["conv_flop"] / conv
-                                        + (figures["step_flop"] - figures["conv_flop"]) / matmul)
-            figures["rate_share"] = figures["limit_seconds"] / figures["median_step_seconds"]
+            other_flop = figures["step_flop"] - figures["conv_flop"]
+            figures["rated_seconds"] = (figures["conv_flop"] / figures["conv_rate_flops"]
+                                        + other_flop / figures["matmul_rate_flops"])
+            figures["rate_share"] = figures["rated_seconds"] / figures["median_step_seconds"]
             measured[label] = figures
         log("checking fp16")
         measured["fp16_check"] = check_fp16(model, batch, criterion, device)
@@ -1051,66 +1074,89 @@ def amp_report(measured):
     name = measured["precision"]
     fp32, amp, fp16 = measured["fp32"], measured[name], measured["fp16_check"]
     lines, ratios = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"], {}
-    for key in fp32:
+    for key in filter(fp32.__contains__, ROWS):
         # A figure that is 0 in fp32, such as the convolutions' FLOPs of a model with none, has
         # no ratio.
-        ratios[key] = amp[key] / fp32[key] if fp32[key] else math.nan
-        lines.append(f"{key:<22}{cell(key, fp32[key]):>16}{cell(key, amp[key]):>16}"
+        ratios[key] = math.nan
+        if fp32[key]:
+            ratios[key] = amp[key] / fp32[key]
+        lines.append(f"{key:<22}{cell(fp32[key], ROWS[key]):>16}{cell(amp[key], ROWS[key]):>16}"
                      f"{ratios[key]:>12.2f}")
-    # Within 5% of fp32's time, the two are as fast as each other: a shared machine's steps
-    # vary that much. bisect finds the band that the ratio falls in.
     step, share = ratios["median_step_seconds"], amp["rate_share"]
-    speed = ["faster", "about as fast as fp32", "slower"][bisect.bisect([0.95, 1.05], step)]
-    # Steps that reach most of the device's measured rate are bound by its arithmetic. Far
-    # below it, launches bound them where AMP's fewer bytes do not speed them up, and memory
-    # where they do.
-    below = ["kernel launches bound them, and --compile or a larger batch can speed them up "
-             "where AMP cannot", "memory bounds them, and AMP's halved bytes are what it buys"][
-        speed == "faster"]
-    bound = [below, "arithmetic bounds them, with launches or memory",
-             "arithmetic bounds them, and AMP buys what the hardware allows"][
-        bisect.bisect(BOUND_SHARES, share)]
-    lines.append(f"fp16 as autocast runs it here, checked on this batch in {fp16['seconds']:.2f}"
-                 f" s, as long as {fp16['seconds'] / fp32['median_step_seconds']:.1f} fp32 steps:")
-    if fp16["scale"] is not None:
-        lines += [f"  the largest gradient that grows with the loss is "
-                  f"{fp16['largest_gradient']:.4g}, so the GradScaler's scale settles near "
-                  f"2**{fp16['scale']}", f"  fp16 makes {fp16['zeroed']:.2%} of the weights' "
-                  f"nonzero gradient values zero, and {fp16['zeroed_scaled']:.2%} at "
-                  f"2**{fp16['scale']}", "  at the GradScaler's first scale, 2**16, steps "
-                  f"{['go through', 'are skipped, and the scale falls'][fp16['skips']]}"]
-    elif fp16["largest_gradient"] == 0:
-        lines.append("  no fp16 gradient grows with the loss, so the GradScaler's scale keeps "
-                     "growing")
+    # Within 5% of fp32's time, the two are as fast as each other: a shared machine's steps
+    # vary that much.
+    speed = "about as fast as fp32"
+    if step < 0.95:
+        speed = "faster"
+    elif step >= 1.05:
+        speed = "slower"
+    # Steps that reach most of the device's measured rates are bound by its arithmetic. Far
+    # below them, launches bound the steps where AMP's fewer bytes do not speed them up, and
+    # memory where they do.
+    if share >= ARITHMETIC_SHARE:
+        bound = "arithmetic bounds them, and AMP buys what the hardware allows"
+    elif share >= OTHER_SHARE:
+        bound = "arithmetic bounds them, with launches or memory"
+    elif speed == "faster":
+        bound = "memory bounds them, and AMP's halved bytes are what it buys"
     else:
-        lines.append("  the loss or a weight's gradient is inf or NaN, so no scale is named")
-    return lines + [
-        "  bf16 has fp32's range, so none of this applies to bf16",
+        bound = ("kernel launches bound them, and --compile or a larger batch can speed them up "
+                 "where AMP cannot")
+    return lines + fp16_lines(measured) + [
         f"verdict: {measured['name']}, batch {measured['batch']}, {measured['device']}, torch "
         f"{torch.__version__}: {name} steps take {step:.2f}x fp32's time, where a step at the "
-        f"device's measured rate would take {ratios['limit_seconds']:.2f}x; they reach {share:.2%}"
-        f" of that rate, so {bound}; {ratios['saved_bytes']:.2f}x the memory saved for backward;"
-        f" AMP is {speed} here; {fp16['verdict']}"]
+        f"device's measured rates would take {ratios['rated_seconds']:.2f}x; they reach "
+        f"{share:.2%} of those rates, so {bound}; {ratios['saved_bytes']:.2f}x the memory saved "
+        f"for backward; AMP is {speed} here; {fp16['verdict']}"]
 
 
-def cell(key, value):
-    """A value of amp_report's table in the largest unit of its kind that it reaches, with the
-    decimals that the kind needs and no exponent."""
-    first, factor, units, decimals = UNITS[key.rsplit("_", 1)[1]]
-    power = bisect.bisect([factor**n for n in range(1, len(units))], value / first)
-    return f"{value / first / factor**power:,.{decimals}f} {units[power]}"
+def fp16_lines(measured):
+    """amp_report's lines on what check_fp16 found, in measure_amp's result `measured`."""
+    fp16, seconds = measured["fp16_check"], measured["fp16_check"]["seconds"]
+    lines = [f"fp16 as autocast runs it here, checked on this batch in {seconds:.2f} s, as long "
+             f"as {seconds / measured['fp32']['median_step_seconds']:.1f} fp32 steps:"]
+    # The check runs the model eagerly. A compiled model fuses ops, and may keep values in fp32
+    # between them, so its overflows may differ (pytorch issue 183607).
+    if measured["compile"]:
+        lines.append("  the check ran the model eagerly, and compiled ops may overflow elsewhere")
+    if fp16["scale"] is None:
+        lines.append("  the loss or a weight's gradient is inf or NaN, so no scale is named")
+    else:
+        lines += [f"  the GradScaler's scale settles near 2**{fp16['scale']}, the largest power "
+                  "of 2 that keeps the weights' gradients finite",
+                  f"  fp16 makes {fp16['zeroed']:.2%} of the weights' nonzero gradient values "
+                  f"zero, and {fp16['zeroed_scaled']:.2%} at 2**{fp16['scale']}"]
+    skips = "go through"
+    if fp16["skips"]:
+        skips = "are skipped, and the scale falls"
+    return lines + [f"  at the GradScaler's first scale, 2**16, steps {skips}",
+                    "  bf16 has fp32's range, so none of this applies to bf16"]
+
+
+def cell(value, unit):
+    """A value of amp_report's table in the largest of UNITS[unit] that it reaches, with the
+    decimals that the unit needs and no exponent."""
+    first, factor, names, decimals = UNITS[unit]
+    value, power = value / first, 0
+    while value >= factor and power < len(names) - 1:
+        value, power = value / factor, power + 1
+    return f"{value:,.{decimals}f} {names[power]}"
 
 
 def run_memory(args, device):
     """The memory example. measure_amp measures --model on a batch of random data. The model is
     the post's Linear(10, 1) problem, or an image model from image_classifier. An image model
     is in the device's image_layout. Returns 0."""
-    # It compares AMP with fp32. Its "auto" is the precision that auto_amp trusts, or else bf16.
-    # Whether AMP pays is what it measures.
-    precision = args.precision.replace("auto", auto_amp(device).replace("fp32", "bf16"))
+    # It compares AMP with fp32. Its "auto" measures fp16 where auto trains in it, and bf16
+    # elsewhere: whether AMP pays is what it measures.
+    precision = args.precision
+    if precision == "auto" and auto_precision(device) == "fp16":
+        precision = "fp16"
+    elif precision == "auto":
+        precision = "bf16"
     if precision == "fp32":
         raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
-    precision, precision_notes = choose_precision(precision, None, None, None, device)
+    precision, precision_notes = choose_precision(precision, device)
     torch.manual_seed(args.seed)
     model, criterion = nn.Linear(10, 1), nn.MSELoss()
     batch = linear_batch(args.batch_size, args.seed)
@@ -1134,8 +1180,8 @@ def run_memory(args, device):
 class RunFolder:
     """--run-dir DIR: one training run's DIR/checkpoint.pt and DIR/metrics.jsonl.
 
-    One run owns the folder. It holds a lock on the folder itself, which the kernel frees
-    when the process dies. Every write is whole: a fresh file, flushed to the disk, is renamed
+    One run owns the folder. It holds a lock on DIR/.lock, which the system frees when the
+    process dies. Every write is whole: a fresh file, flushed to the disk, is renamed
     over the old one. So kill -9 or a full disk at any moment leaves the last checkpoint. A run
     without --resume never overwrites a checkpoint. A torchrun restart of the launch that
     wrote it is the one exception.
@@ -1146,8 +1192,8 @@ class RunFolder:
     weights_only=True) reads it anywhere.
     """
 
-    def __init__(self, path, resume, job):
-        self.path, self.job, self.state = path, job, {}
+    def __init__(self, path, resume):
+        self.path, self.launch, self.state = path, launch(), {}
         # What the folder holds. A run that stops says so in its last line.
         self.contents = f"{path} holds no checkpoint"
         self.checkpoint = os.path.join(path, "checkpoint.pt")
@@ -1155,31 +1201,26 @@ class RunFolder:
             raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
         if resume and not os.path.exists(self.checkpoint):
             raise UsageError(f"nothing to resume in {path}: run without --resume")
-        # Imported here: native Windows has no fcntl, and only --run-dir needs it.
-        try:
-            import fcntl
-        except ImportError:
-            raise UsageError("--run-dir locks its folder with fcntl, missing here: use WSL")
         os.makedirs(path, exist_ok=True)
-        # A lock on the folder itself, which the kernel frees when the process dies. A folder
-        # that cannot be used is let go at once.
-        self.lock = os.open(path, os.O_RDONLY)
+        # filelock comes with torch. Its lock is the system's, on Linux, macOS and Windows, and
+        # timeout=0 tries it once.
+        self.lock = filelock.FileLock(os.path.join(path, ".lock"), timeout=0)
+        try:
+            self.lock.acquire()
+        except filelock.Timeout:
+            raise UsageError(f"another run is using {path}: wait, or use another --run-dir")
+        # A folder that cannot be used is let go at once.
         with contextlib.ExitStack() as on_error:
             on_error.callback(self.close)
-            try:
-                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise UsageError(f"another run is using {path}: wait, or use another --run-dir")
             # The checkpoint this run goes on from, if there is one and it may.
             if os.path.exists(self.checkpoint):
                 # weights_only unpickles tensors and plain containers, never code.
                 with checkpoint_at(self.checkpoint):
                     self.state = torch.load(self.checkpoint, map_location="cpu", weights_only=True)
                     self.contents = f"{path} holds epoch {self.state['epoch']}"
-                    job = self.state["job"]
+                    saved_launch = self.state["launch"]
                 # A torchrun restart goes on from its own launch's checkpoint without --resume.
-                # A run without torchrun is a launch of its own.
-                if not resume and job != self.job:
+                if not resume and saved_launch != self.launch:
                     raise UsageError(f"{path} holds a run: add --resume, or use another --run-dir")
             # The folder is this run's: the lock stays until close().
             on_error.pop_all()
@@ -1189,7 +1230,7 @@ class RunFolder:
         That holds a line of JSON an epoch, and a resumed run writes it anew from the
         checkpoint's lines. objects are the model, optimizer, scaler and scheduler by name."""
         state = {name: part.state_dict() for name, part in objects.items()}
-        state.update(epoch=len(metrics), args=flags, metrics=metrics, job=self.job)
+        state.update(epoch=len(metrics), args=flags, metrics=metrics, launch=self.launch)
         # Serialized in memory first, so that a full disk meets a plain write.
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -1202,7 +1243,7 @@ class RunFolder:
             raise UsageError(f"could not write in {self.path} ({e.strerror}); {self.contents}")
 
     def close(self):
-        os.close(self.lock)
+        self.lock.release()
 
 
 class NoFolder:
@@ -1214,8 +1255,8 @@ class NoFolder:
     def save(self, *args, **kwargs):
         pass
 
-    # Closing, like saving, does nothing.
-    close = save
+    def close(self):
+        pass
 
 
 def replace_file(path, data):
@@ -1270,13 +1311,13 @@ def restore(state, objects, lr, path):
         return list(state["metrics"])
 
 
-def open_run_folder(args, job):
+def open_run_folder(args):
     """Rank 0 takes --run-dir. Every process gets its folder and the checkpoint to go on from,
     or {}. The other processes save nothing, so theirs is a NoFolder."""
     folder, checkpoint_or_error = NoFolder(), {}
     if args.run_dir is not None and rank() == 0:
         try:
-            folder = RunFolder(args.run_dir, args.resume, job)
+            folder = RunFolder(args.run_dir, args.resume)
             checkpoint_or_error = folder.state
         except UsageError as e:
             checkpoint_or_error = e
@@ -1307,28 +1348,36 @@ def from_rank_0(value):
     return values[0]
 
 
-def join_processes(device):
-    """Under torchrun, joins the other processes through its rendezvous, with the backend of
-    `device`. Returns the launch's name: the host and process id of rank 0's torchrun agent.
-    That agent restarts the workers, so the name holds for every restart of the launch. A run
-    without torchrun is a launch of its own. Its name is its host, process id and start time."""
-    if world_size() > 1:
-        store, process_rank, processes = next(dist.rendezvous("env://"))
-        # torchrun may keep one store for every restart. Then each restart takes keys of its
-        # own, or gloo would connect to processes that are gone. Agents on several machines
-        # count restarts apart (pytorch issue 135712). So README's line for several machines
-        # gives each restart a store of its own.
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
-        # The device's own backend: gloo for a CPU, NCCL for CUDA, XCCL for XPU. Without one,
-        # torch takes the backend of the accelerator it finds, which cannot serve a CPU run.
-        # device_id binds NCCL to this process's GPU. torch 2.6 takes it for CUDA alone.
-        dist.init_process_group(dist.get_default_backend_for_device(device), store=store,
-                                rank=process_rank, world_size=processes,
-                                device_id={"cuda": device}.get(device.type))
+def launch():
+    """The name of the launch that started this process. Under torchrun it is the host and
+    process id of the torchrun agent, which restarts the workers, so the name holds for every
+    restart of the launch. A run without torchrun is a launch of its own. Its name is its host,
+    process id and start time."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return f"{platform.node()}:{os.getpid()}:{time.time()}"
     return f"{platform.node()}:{os.getppid()}"
+
+
+def join_processes(device):
+    """Under torchrun, joins the other processes through its rendezvous, with the backend of
+    `device`."""
+    if world_size() <= 1:
+        return
+    store, process_rank, processes = next(dist.rendezvous("env://"))
+    # torchrun may keep one store for every restart. Then each restart takes keys of its own,
+    # or gloo would connect to processes that are gone. Agents on several machines count
+    # restarts apart (pytorch issue 135712). So README's line for several machines gives each
+    # restart a store of its own.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.PrefixStore(f"restart{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+    # device_id binds NCCL to this process's GPU. torch 2.6 takes it for CUDA alone.
+    device_id = None
+    if device.type == "cuda":
+        device_id = device
+    # The device's own backend: gloo for a CPU, NCCL for CUDA, XCCL for XPU. Without one, torch
+    # takes the backend of the accelerator it finds, which cannot serve a CPU run.
+    dist.init_process_group(dist.get_default_backend_for_device(device), store=store,
+                            rank=process_rank, world_size=processes, device_id=device_id)
 
 
 # ====================================================================================
@@ -1378,8 +1427,7 @@ def make_parser():
         help="auto: torch's accelerator if it finds one, else cpu")
     add("--precision", default="auto", choices=["auto", *PRECISIONS],
         help="auto: bf16 where the device computes it natively, fp16 on CUDA GPUs of compute "
-        "capability 7.x, fp32 elsewhere (README's table). On a CPU bf16 is timed first, and "
-        f"taken if its steps take at most {AUTO_MAX_RATIO}x fp32's")
+        "capability 7.x, fp32 elsewhere (README's table). A CPU takes bf16 where it has AMX")
     add("--epochs", default=EPOCHS, type=count, help="a linear epoch is one step")
     add("--batch-size", default=BATCH_SIZE, type=count, help="the batch size per process")
     add("--lr", default=LR, type=positive, help="SGD's; resnet's falls tenfold every 10 epochs")
@@ -1432,7 +1480,8 @@ def main(argv):
         torch.backends.cudnn.benchmark = True
         # torchrun's processes meet first. Rank 0 opens the folder, and all go on from its
         # checkpoint.
-        folder, state = open_run_folder(args, join_processes(device))
+        join_processes(device)
+        folder, state = open_run_folder(args)
         args = parse_args(argv, state)
         if args.example == "memory":
             return run_memory(args, device)
