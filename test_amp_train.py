@@ -392,6 +392,26 @@ def test_padded_tokens_step_and_test_as_their_whole_batch_by_the_tokens_they_cou
     assert math.isnan(amp_train.train_epoch(model, [], None, None, None, CPU, None)["loss"])
 
 
+def test_float_targets_of_minus_100_count_in_training_and_testing_as_in_the_docs_loop():
+    # Regression targets of -100.0 are values, not padding: MSELoss averages over each of them.
+    inputs, targets = batch_of(8)
+    targets = torch.cat([targets[:4], torch.full((4, 1), -100.0)])
+    halves = [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])]
+    for batches, accum_steps in ([halves[1]], 1), (halves, 2):
+        model, optimizer, _ = linear_setup()
+        stats = train(model, batches, optimizer, None, accum_steps=accum_steps)
+        tested = amp_train.evaluate(model, batches, MSE, CPU, None)
+        # The docs' loop, on the whole batch.
+        reference, reference_optimizer, _ = linear_setup()
+        x, y = (torch.cat(tensors) for tensors in zip(*batches))
+        loss = MSE(reference(x), y)
+        loss.backward()
+        reference_optimizer.step()
+        assert stats["loss"] == pytest.approx(loss.item(), rel=1e-6), (stats, loss)
+        assert torch.allclose(model.weight, reference.weight, atol=1e-6), "not the whole batch"
+        assert tested["loss"] == pytest.approx(MSE(reference(x), y).item(), rel=1e-6), tested
+
+
 def test_each_micro_batch_reaches_the_device_just_before_its_forward_and_ddp_syncs_on_the_last(
         monkeypatch):
     class DDP(nn.Linear):
