@@ -15,7 +15,7 @@ what AMP buys on a model of your own, and what fp16 risks there. Part II keeps l
 with the run folder and torchrun's processes. The command line comes last, with the errors a
 user can make. A reader who came for AMP can stop where Part II begins.
 """
-import argparse, contextlib, copy, functools, gc, io, itertools, json, math, os, operator
+import argparse, bisect, contextlib, copy, functools, gc, io, itertools, json, math, os, operator
 import platform, statistics, sys, tempfile, time
 from collections.abc import Mapping
 
@@ -62,17 +62,15 @@ TORCHVISION_OPTIONS = dict.fromkeys(("googlenet", "inception_v3"),
                                     {"aux_logits": False, "init_weights": True})
 # The units of amp_report's values: the first unit's size, the factor from one unit to the
 # next, the units, and the decimals.
-UNITS = {"bytes": (1, 1024, ["B", "KiB", "MiB", "GiB", "TiB"], 2),
-         "seconds": (1e-9, 1000, ["ns", "µs", "ms", "s"], 3), "per second": (1, 1, ["/s"], 0),
-         "share": (0.01, 1, ["%"], 2),
+UNITS = {"bytes": (1, 1024, ["B", "KiB", "MiB", "GiB", "TiB"], 2), "per second": (1, 1, ["/s"], 0),
+         "seconds": (1e-9, 1000, ["ns", "µs", "ms", "s"], 3), "share": (0.01, 1, ["%"], 2),
          "flop": (1, 1000, ["FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP"], 1),
          "flops": (1, 1000, ["FLOP/s", "kFLOP/s", "MFLOP/s", "GFLOP/s", "TFLOP/s", "PFLOP/s"], 1)}
 # amp_report's rows, in order, each with the unit that its values print in.
 ROWS = {"saved_bytes": "bytes", "peak_bytes": "bytes", "compile_seconds": "seconds",
-        "median_step_seconds": "seconds", "samples_per_second": "per second",
-        "step_flop": "flop", "conv_flop": "flop", "achieved_flops": "flops",
-        "matmul_rate_flops": "flops", "conv_rate_flops": "flops", "rated_seconds": "seconds",
-        "rate_share": "share"}
+        "median_step_seconds": "seconds", "samples_per_second": "per second", "step_flop": "flop",
+        "conv_flop": "flop", "achieved_flops": "flops", "matmul_rate_flops": "flops",
+        "conv_rate_flops": "flops", "rated_seconds": "seconds", "rate_share": "share"}
 # The share of the device's measured rates above which arithmetic bounds a step, and the one
 # below which something else does: kernel launches, or memory.
 ARITHMETIC_SHARE, OTHER_SHARE = 0.6, 0.3
@@ -292,15 +290,13 @@ def native_16bit(device):
 def auto_precision(device):
     """The precision that --precision auto trains in on `device`, by README's table. bf16 needs
     no GradScaler, so it comes first. fp16 comes next, on CUDA alone. XPU's unscale_() computes
-    in fp64, which Intel's Arc GPUs lack, and MPS's fp16 is refused above. A CPU takes bf16
-    where AMX computes it. There its steps took 0.38x fp32's. With AVX512-BF16 alone they took
-    up to 1.18x, so such a CPU stays in fp32, and --example memory measures it."""
+    in fp64, which Intel's Arc GPUs lack, and MPS trains no fp16 (native_16bit). A CPU takes
+    bf16 where AMX computes it. There its steps took 0.38x fp32's. With AVX512-BF16 alone they
+    took up to 1.18x, so such a CPU stays in fp32, and --example memory measures it."""
     native = native_16bit(device)
     if device.type == "cuda" and native:
         return native[0]
-    if device.type == "cpu" and "amx_bf16" not in cpu_16bit():
-        return "fp32"
-    if "bf16" in native:
+    if "bf16" in native and (device.type != "cpu" or "amx_bf16" in cpu_16bit()):
         return "bf16"
     return "fp32"
 
@@ -457,12 +453,10 @@ def synthetic_cifar10(sizes, seed=0):
     generator = torch.Generator().manual_seed(seed)
     patterns = torch.randn(10, 3, 4, 4, generator=generator)
     patterns = nn.functional.interpolate(patterns, size=(32, 32), mode="bilinear")
-    sets = []
-    for size in sizes:
-        labels = torch.randint(0, 10, (size,), generator=generator)
-        images = 0.25 * patterns[labels] + torch.randn(size, 3, 32, 32, generator=generator)
-        sets.append(((images * 48 + 128).clamp(0, 255).to(torch.uint8), labels))
-    return sets
+    labels = torch.randint(0, 10, (sum(sizes),), generator=generator)
+    images = 0.25 * patterns[labels] + torch.randn(len(labels), 3, 32, 32, generator=generator)
+    images = (images * 48 + 128).clamp(0, 255).to(torch.uint8)
+    return list(zip(images.split(sizes), labels.split(sizes)))
 
 
 def cifar10(root):
@@ -523,7 +517,6 @@ def train_example(args, device, folder, state):
     trains, tests, prints and saves each epoch. folder saves the run: see RunFolder, and a
     NoFolder saves nothing. state is the checkpoint to go on from, or {}. Returns 0, or 1 if
     training cannot go on."""
-    torch.manual_seed(args.seed)
     raw_model, criterion, train_loader, test_loader = build_example(args, device)
     args.precision, precision_notes = choose_precision(args.precision, device)
     optimizer = make_optimizer(raw_model, args.lr)
@@ -807,15 +800,9 @@ class FP16Check(TorchDispatchMode):
 
 def first_true(items, test):
     """The first of `items` for which test(item) is true, where it is true for every later item
-    and for the last. It is bisected, so test() runs about log2(len(items)) times."""
-    low, high = 0, len(items) - 1
-    while low < high:
-        middle = (low + high) // 2
-        if test(items[middle]):
-            high = middle
-        else:
-            low = middle + 1
-    return items[low]
+    and for the last. bisect finds it, so test() runs about log2(len(items)) times: it takes
+    the tests as a sorted list of False, then True."""
+    return items[bisect.bisect_left(items, True, key=test)]
 
 
 def widen(x):
@@ -866,9 +853,8 @@ def check_fp16(model, batch, criterion, device):
     None: the batch, a tensor of the model, or an op. Then fp16 is not to blame. Where the loss
     and gradients stay finite, "scale" is the power of 2 near which the GradScaler's scale
     settles, and otherwise None. "zeroed" and "zeroed_scaled" are the shares of the weights'
-    nonzero fp32 gradient values that fp16 makes zero, as they are and at that scale. "skips"
-    says whether the GradScaler skips steps at its first scale, 2**16. "verdict" says what to
-    do, and "seconds" how long the check took.
+    nonzero fp32 gradient values that fp16 makes zero, as they are and at that scale. "verdict"
+    says what to do, and "seconds" how long the check took.
     """
     device, start = torch.device(device), time.perf_counter()
     check = FP16Check(model, batch, criterion, device)
@@ -881,11 +867,10 @@ def check_fp16(model, batch, criterion, device):
         # The model itself, not its copy, whose BatchNorm statistics took what the passes met.
         tensors = {"the batch": pytree.tree_leaves((check.inputs, check.targets))}
         tensors.update((f"the model's {name!r}", [x]) for name, x in model.state_dict().items())
-        held = [name for name, values in tensors.items() if not all_finite(values, device)]
+        held = (name for name, values in tensors.items() if not all_finite(values, device))
+        found["bad"] = next(held, None)
         # Where they are finite, an op of the fp32 pass makes the inf or NaN.
-        if held:
-            found["bad"] = held[0]
-        else:
+        if found["bad"] is None:
             found["bad"] = check.blame(fp16=False)
         verdict = ("the fp32 step meets inf or NaN too, so fp16 is not to blame: look at "
                    f"{found['bad']}")
@@ -896,9 +881,6 @@ def check_fp16(model, batch, criterion, device):
     else:
         found["scale"] = check.settling_power(loss)
         found["zeroed_scaled"] = zeroed(fp32, check.gradients(loss, 2.0 ** found["scale"]))
-    # The GradScaler's first scale is 2**16. Its steps are skipped there where it settles lower,
-    # or where no scale keeps the loss and gradients finite.
-    found["skips"] = found["scale"] is None or found["scale"] < 16
     return {**found, "verdict": verdict, "seconds": time.perf_counter() - start}
 
 
@@ -912,8 +894,7 @@ def median_seconds(run, seconds, most, label, log):
     if each <= seconds / TIMED_ROUNDS:
         each = run(2)
         rounds, calls = TIMED_ROUNDS, int(min(most, seconds / TIMED_ROUNDS / each))
-    log(f"  {label}: one took {cell(each, 'seconds')}, so {rounds} rounds of {calls} are "
-        "timed")
+    log(f"  {label}: one took {cell(each, 'seconds')}, so {rounds} rounds of {calls} are timed")
     return statistics.median_high(map(run, [calls] * rounds))
 
 
@@ -923,7 +904,8 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
     counts what autograd saves, and the FLOPs of its matmuls and convolutions, by torch's
     FlopCounterMode. With `compile`, torch.compile compiles the copy in its next step, which is
     timed apart. median_seconds times the steps after those. Where torch keeps a peak of memory
-    (CUDA, XPU), the timed steps' peak is read too."""
+    (CUDA, XPU), the timed steps' peak is read too. Last, device_rates measures the device's own
+    rates in `label`, and the step's time at those rates is set beside the median step's."""
     model, batch = copy.deepcopy(model).to(device), to_device(batch, device)
     optimizer, trained = make_optimizer(model, LR), model
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype is torch.float16)
@@ -948,8 +930,14 @@ def measure_training(model, batch, criterion, device, amp_dtype, steps, seconds,
     median = median_seconds(seconds_a_step, seconds, steps, label, log)
     if hasattr(memory, "max_memory_allocated"):
         measured["peak_bytes"] = memory.max_memory_allocated(device)
+    rates = device_rates(device, label, log)
+    # A step at the device's rates: its convolutions at the convolution's, and the rest at the
+    # matmul's, as fp32 convolutions can run in TF32 where matmuls do not.
+    rated = (measured["conv_flop"] / rates["conv_rate_flops"]
+             + (measured["step_flop"] - measured["conv_flop"]) / rates["matmul_rate_flops"])
     return {**measured, "median_step_seconds": median, "samples_per_second": len(batch[1]) / median,
-            "achieved_flops": measured["step_flop"] / median}
+            "achieved_flops": measured["step_flop"] / median, **rates, "rated_seconds": rated,
+            "rate_share": rated / median}
 
 
 def device_rates(device, precision, log):
@@ -1053,16 +1041,8 @@ def measure_amp(model, batch, criterion, device, amp_dtype=torch.bfloat16, steps
     with same_rng(device):
         for label in ("fp32", precision):
             log(f"measuring {label}")
-            figures = measure_training(model, batch, criterion, device, PRECISIONS[label], steps,
-                                       seconds, label, log, compile)
-            figures.update(device_rates(device, label, log))
-            # A step at the device's rates: its convolutions at the convolution's, and the rest
-            # at the matmul's, as fp32 convolutions can run in TF32 where matmuls do not.
-            other_flop = figures["step_flop"] - figures["conv_flop"]
-            figures["rated_seconds"] = (figures["conv_flop"] / figures["conv_rate_flops"]
-                                        + other_flop / figures["matmul_rate_flops"])
-            figures["rate_share"] = figures["rated_seconds"] / figures["median_step_seconds"]
-            measured[label] = figures
+            measured[label] = measure_training(model, batch, criterion, device, PRECISIONS[label],
+                                               steps, seconds, label, log, compile)
         log("checking fp16")
         measured["fp16_check"] = check_fp16(model, batch, criterion, device)
     return measured
@@ -1120,17 +1100,14 @@ def fp16_lines(measured):
     if measured["compile"]:
         lines.append("  the check ran the model eagerly, and compiled ops may overflow elsewhere")
     if fp16["scale"] is None:
-        lines.append("  the loss or a weight's gradient is inf or NaN, so no scale is named")
+        lines.append("  the loss or a weight's gradient is inf or NaN, so the GradScaler skips "
+                     "every step")
     else:
-        lines += [f"  the GradScaler's scale settles near 2**{fp16['scale']}, the largest power "
-                  "of 2 that keeps the weights' gradients finite",
+        lines += [f"  the GradScaler's scale goes from 2**16 to 2**{fp16['scale']}, the largest "
+                  "power of 2 that keeps the weights' gradients finite",
                   f"  fp16 makes {fp16['zeroed']:.2%} of the weights' nonzero gradient values "
                   f"zero, and {fp16['zeroed_scaled']:.2%} at 2**{fp16['scale']}"]
-    skips = "go through"
-    if fp16["skips"]:
-        skips = "are skipped, and the scale falls"
-    return lines + [f"  at the GradScaler's first scale, 2**16, steps {skips}",
-                    "  bf16 has fp32's range, so none of this applies to bf16"]
+    return lines + ["  bf16 has fp32's range, so none of this applies to bf16"]
 
 
 def cell(value, unit):
@@ -1157,7 +1134,6 @@ def run_memory(args, device):
     if precision == "fp32":
         raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
     precision, precision_notes = choose_precision(precision, device)
-    torch.manual_seed(args.seed)
     model, criterion = nn.Linear(10, 1), nn.MSELoss()
     batch = linear_batch(args.batch_size, args.seed)
     if args.model != "linear":
@@ -1205,13 +1181,12 @@ class RunFolder:
         # filelock comes with torch. Its lock is the system's, on Linux, macOS and Windows, and
         # timeout=0 tries it once.
         self.lock = filelock.FileLock(os.path.join(path, ".lock"), timeout=0)
-        try:
-            self.lock.acquire()
-        except filelock.Timeout:
-            raise UsageError(f"another run is using {path}: wait, or use another --run-dir")
-        # A folder that cannot be used is let go at once.
+        # A folder that cannot be used is let go at once: on_error releases the lock.
         with contextlib.ExitStack() as on_error:
-            on_error.callback(self.close)
+            try:
+                on_error.enter_context(self.lock)
+            except filelock.Timeout:
+                raise UsageError(f"another run is using {path}: wait, or use another --run-dir")
             # The checkpoint this run goes on from, if there is one and it may.
             if os.path.exists(self.checkpoint):
                 # weights_only unpickles tensors and plain containers, never code.
@@ -1420,9 +1395,8 @@ def make_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
-    add("--example", default="resnet", choices=["resnet", "linear", "memory"],
-        help="resnet: ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); memory: fp32 and "
-        "AMP side by side")
+    add("--example", default="resnet", choices=["resnet", "linear", "memory"], help="resnet: "
+        "ResNet18 on CIFAR-10; linear: the post's Linear(10, 1); memory: fp32 and AMP side by side")
     add("--device", default="auto", choices=["auto", "cpu", "cuda", "mps", "xpu"],
         help="auto: torch's accelerator if it finds one, else cpu")
     add("--precision", default="auto", choices=["auto", *PRECISIONS],
@@ -1483,6 +1457,8 @@ def main(argv):
         join_processes(device)
         folder, state = open_run_folder(args)
         args = parse_args(argv, state)
+        # --seed seeds the weights, the data and its order, alike on every process.
+        torch.manual_seed(args.seed)
         if args.example == "memory":
             return run_memory(args, device)
         status = train_example(args, device, folder, state)
