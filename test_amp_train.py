@@ -1320,8 +1320,8 @@ def adamw(model, lr):
 # The resnet example is fp32's case, and bf16 keeps no scaler state either.
 @pytest.mark.parametrize("argv,optimizer,first", [
     (RESNET, None, []), (LINEAR + ["--precision", "bf16"], None, []), (LINEAR_FP16, None, []),
-    (LINEAR_FP16, adamw, []), (LINEAR_FP16, None, ["--compile"])],
-    ids=["resnet", "bf16", "fp16", "fp16-adamw", "fp16-compiled-first"])
+    (LINEAR_FP16, adamw, []), (LINEAR, None, ["--compile"])],
+    ids=["resnet", "bf16", "fp16", "fp16-adamw", "fp32-compiled-first"])
 def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(argv, optimizer, first, run_dir,
                                                                    monkeypatch, capsys):
     # Compiled by dynamo and run by eager kernels, as in the test of --compile.
