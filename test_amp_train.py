@@ -474,6 +474,8 @@ def test_auto_and_readmes_set_up_lines_follow_its_table_and_every_process_takes_
     # The note names what the device computes in words, never as a Python list.
     assert chosen == auto and notes[0].startswith(f"note: auto trains in {auto} (README's table)"
                                                   ) and "[" not in notes[0], notes
+    # A CPU whose bf16 auto passes over says how to measure it and take it.
+    assert len(notes) == 1 + (row == "CPU with other bf16 instructions"), notes
     for name in ("fp32", "bf16", "fp16"):
         # A Mac refuses what it cannot train in, in one line that says what it can.
         if kind == "mps" and name in not_native:
