@@ -133,8 +133,8 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
     CrossEntropyLoss and Hugging Face's losses skip, so they do not count. Float targets all
     count, as MSELoss averages over every one. So the step is the one that their whole batch
     would take, but for BatchNorm's statistics. A short group at the end of the loader takes a
-    step of its own. A model that shifts its labels inside, as
-    Hugging Face's causal language models do, needs the shifted ones as its targets.
+    step of its own. A model that shifts its labels inside, as Hugging Face's causal language
+    models do, needs the shifted ones as its targets.
     Third, a scheduler steps after every step, even one that the scaler skipped. Knowing which
     were skipped would cost a host sync a step.
 
@@ -291,8 +291,9 @@ def auto_precision(device):
     """The precision that --precision auto trains in on `device`, by README's table. bf16 needs
     no GradScaler, so it comes first. fp16 comes next, on CUDA alone. XPU's unscale_() computes
     in fp64, which Intel's Arc GPUs lack, and MPS trains no fp16 (native_16bit). A CPU takes
-    bf16 where AMX computes it. There its steps took 0.38x fp32's. With AVX512-BF16 alone they
-    took up to 1.18x, so such a CPU stays in fp32, and --example memory measures it."""
+    bf16 where AMX computes it, which README's Measured found faster. Without AMX, bf16 was
+    faster than fp32 on some CPUs and slower on others. So such a CPU stays in fp32, and
+    --example memory measures it."""
     native = native_16bit(device)
     if device.type == "cuda" and native:
         return native[0]
@@ -852,8 +853,8 @@ def check_fp16(model, batch, criterion, device):
     RNG is left as it was.
 
     Returns a dict. "overflow" names where fp16 first makes inf or NaN that reaches the loss or
-    a weight's gradient, or it is None. That is an op with the path of the module that ran it,
-    as named_modules() gives it. "bad" names where the fp32 pass meets inf or NaN, or it is
+    a weight's gradient, or it is None. That is an op and its module, as FP16Check names them.
+    "bad" names where the fp32 pass meets inf or NaN, or it is
     None: the batch, a tensor of the model, or an op. Then fp16 is not to blame. Where the loss
     and gradients stay finite, "scale" is the power of 2 near which the GradScaler's scale
     settles, and otherwise None. "zeroed" and "zeroed_scaled" are the shares of the weights'
