@@ -15,7 +15,7 @@ what AMP buys on a model of your own, and what fp16 risks there. Part II keeps l
 with the run folder and torchrun's processes. The command line comes last, with the errors a
 user can make. A reader who came for AMP can stop where Part II begins.
 """
-import argparse, bisect, contextlib, copy, functools, gc, io, itertools, json, math, os, operator
+import argparse, contextlib, copy, functools, gc, io, itertools, json, math, os, operator
 import platform, statistics, sys, tempfile, time
 from collections.abc import Mapping
 
@@ -805,9 +805,17 @@ class FP16Check(TorchDispatchMode):
 
 def first_true(items, test):
     """The first of `items` for which test(item) is true, where it is true for every later item
-    and for the last. bisect finds it, so test() runs about log2(len(items)) times: it takes
-    the tests as a sorted list of False, then True."""
-    return items[bisect.bisect_left(items, True, key=test)]
+    and for the last. Each test halves the items left, so test() runs about log2(len(items))
+    times."""
+    # The first true item is at low or after it, and at high or before it.
+    low, high = 0, len(items) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if test(items[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return items[low]
 
 
 def widen(x):
