@@ -1133,20 +1133,24 @@ def cell(value, unit):
     return f"{value:,.{decimals}f} {names[power]}"
 
 
+def memory_precision(name, device):
+    """The precision that the memory example sets beside fp32, by its --precision `name`. Its
+    "auto" is the 16-bit precision that --precision auto trains in, and bf16 where that is fp32:
+    whether AMP pays is what it measures."""
+    if name == "fp32":
+        raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
+    if name == "auto" and auto_precision(device) == "fp16":
+        return "fp16"
+    if name == "auto":
+        return "bf16"
+    return name
+
+
 def run_memory(args, device):
     """The memory example. measure_amp measures --model on a batch of random data. The model is
     the post's Linear(10, 1) problem, or an image model from image_classifier. An image model
     is in the device's image_layout. Returns 0."""
-    # It compares AMP with fp32. Its "auto" measures fp16 where auto trains in it, and bf16
-    # elsewhere: whether AMP pays is what it measures.
-    precision = args.precision
-    if precision == "auto" and auto_precision(device) == "fp16":
-        precision = "fp16"
-    elif precision == "auto":
-        precision = "bf16"
-    if precision == "fp32":
-        raise UsageError("--example memory compares fp32 with AMP: use --precision bf16 or fp16")
-    precision, precision_notes = choose_precision(precision, device)
+    precision, precision_notes = choose_precision(memory_precision(args.precision, device), device)
     model, criterion = nn.Linear(10, 1), nn.MSELoss()
     batch = linear_batch(args.batch_size, args.seed)
     if args.model != "linear":

@@ -496,8 +496,10 @@ def test_auto_and_readmes_set_up_lines_follow_its_table_and_every_process_takes_
     assert (user["device"].type, user["amp_dtype"], user["scaler"].is_enabled(), user[
         "train_loader"].pin_memory) == (kind, amp_train.PRECISIONS[auto], auto == "fp16",
                                         kind == "cuda"), user
-    layout = amp_train.image_layout(torch.device(kind))
-    assert (layout is torch.contiguous_format) == (kind == "mps") != (layout is torch.channels_last)
+    # Images are channels_last but on a Mac.
+    assert (amp_train.image_layout(torch.device(kind)) is torch.channels_last) != (kind == "mps")
+    # The memory example measures auto's 16-bit precision, and bf16 where auto trains in fp32.
+    assert amp_train.memory_precision("auto", torch.device(kind)) == auto.replace("fp32", "bf16")
 
 
 def test_auto_is_torchs_accelerator_or_the_cpu_and_under_torchrun_process_k_takes_device_k(
