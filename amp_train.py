@@ -174,7 +174,7 @@ def train_epoch(model, loader, optimizer, criterion, scaler, device, amp_dtype, 
         optimizer.zero_grad(set_to_none=True)
         # to_device(batch, None) checks a batch and moves nothing. The targets that a loss
         # averages over weight it: all float targets, and the integer ones that are not -100.
-        # The count stays on the device, so it needs no host sync.
+        # The count is a tensor where the batch is, so it needs no host sync.
         group_targets = [to_device(batch, None)[1] for batch in group]
         counts = [(y.ne(-100) | y.is_floating_point()).sum() for y in group_targets]
         counted += sum(counts)
@@ -404,7 +404,7 @@ class DeviceLoader:
 
     def __iter__(self):
         # Each seed and epoch make one 32-bit seed, since a CPU generator keeps 32 bits. Seeds
-        # under 4,295 apart never share an order while the epochs stay under a million.
+        # under 4,294 apart never share an order while the epochs stay under a million.
         seed = (self.seed * 1_000_003 + self.epoch) % 2**32
         order = torch.arange(len(self.targets))
         if self.shuffle:
@@ -704,22 +704,24 @@ class FP16Check(TorchDispatchMode):
         self.weights = list(filter(operator.attrgetter("requires_grad"), self.model.parameters()))
         # How the pass under way runs, as run() sets it: in fp16 or in fp32, whether it is
         # tracked, and the op from which on its results are made finite.
-        self.fp16, self.tracked, self.keep = False, False, math.inf
+        self.fp16, self.tracked, self.finite_from = False, False, math.inf
         # What a tracked pass keeps of each op: its place, and whether it made inf or NaN from
         # finite inputs.
         self.places, self.made = [], []
-        # The names of the modules whose ops run now, each module's ancestors among them.
-        self.modules = ModuleTracker()
+        # torch's ModuleTracker holds the names of the modules whose ops run now, each module's
+        # ancestors among them.
+        self.tracker = ModuleTracker()
 
-    def run(self, fp16, tracked=False, keep=math.inf):
+    def run(self, fp16, tracked=False, finite_from=math.inf):
         """A forward pass, in fp16 where `fp16`, and the weights' gradients of its loss. Where
-        `tracked`, it keeps which ops make inf or NaN from finite inputs, and ops from `keep` on
-        make none: their results are made finite. Returns the loss, the gradients, and whether
-        all of them are finite."""
-        self.fp16, self.tracked, self.keep, self.places, self.made = fp16, tracked, keep, [], []
+        `tracked`, it keeps which ops make inf or NaN from finite inputs, and ops from
+        `finite_from` on make none: their results are made finite. Returns the loss, the
+        gradients, and whether all of them are finite."""
+        self.fp16, self.tracked, self.finite_from = fp16, tracked, finite_from
+        self.places, self.made = [], []
         # Each pass draws the same dropout masks, and leaves the global RNG as it found it. The
         # tracker follows the modules into the backward pass of the loss.
-        with same_rng(self.device), self.modules:
+        with same_rng(self.device), self.tracker:
             with self, torch.autocast(self.device.type, dtype=torch.float16, enabled=fp16):
                 outputs = self.model(**self.inputs) if isinstance(self.inputs, dict) else (
                     self.model(self.inputs))
@@ -769,10 +771,13 @@ class FP16Check(TorchDispatchMode):
         # In-place ops keep their tensors, so they run as they are, in fp16. So does an op
         # with no meta kernel, which rounded() needs, or with no fp32 kernel, as flash
         # attention has none.
+        results = None
         with contextlib.suppress(NotImplementedError, RuntimeError):
             if self.fp16 and not func._schema.is_mutable:
-                return self.note(func, finite_inputs, self.rounded(func, args, kwargs))
-        return self.note(func, finite_inputs, func(*args, **kwargs))
+                results = self.rounded(func, args, kwargs)
+        if results is None:
+            results = func(*args, **kwargs)
+        return self.note(func, finite_inputs, results)
 
     def rounded(self, func, args, kwargs):
         """func's results, computed in fp32, and each rounded to the dtype that func gives it.
@@ -789,15 +794,15 @@ class FP16Check(TorchDispatchMode):
 
     def note(self, func, finite_inputs, results):
         """Returns the op's results. A tracked pass keeps the op's place, and whether it made
-        inf or NaN from finite inputs. From op `keep` on, it makes those results finite."""
+        inf or NaN from finite inputs. From op `finite_from` on, it makes those results finite."""
         if not self.tracked:
             return results
         # A module's name holds those of its ancestors, so the longest is the innermost.
-        module = max(self.modules.parents - {"Global"}, key=len, default="Global")
+        module = max(self.tracker.parents - {"Global"}, key=len, default="Global")
         self.places.append(f"{func.overloadpacket.__name__} in {module}")
         tensors = list(filter(torch.is_tensor, pytree.tree_leaves(results)))
         self.made.append(finite_inputs & ~all_finite(tensors, self.device))
-        if len(self.places) > self.keep:
+        if len(self.places) > self.finite_from:
             for x in filter(torch.is_floating_point, tensors):
                 x.copy_(torch.where(finite_inputs, x.nan_to_num(), x))
         return results
@@ -871,10 +876,10 @@ def check_fp16(model, batch, criterion, device):
     """
     device, start = torch.device(device), time.perf_counter()
     check = FP16Check(model, batch, criterion, device)
-    _, fp32, fp32_finite = check.run(fp16=False)
-    loss, fp16, fp16_finite = check.run(fp16=True)
-    found = {"overflow": None, "bad": None, "scale": None, "zeroed": zeroed(fp32, fp16),
-             "zeroed_scaled": None}
+    _, fp32_gradients, fp32_finite = check.run(fp16=False)
+    loss, fp16_gradients, fp16_finite = check.run(fp16=True)
+    found = {"overflow": None, "bad": None, "scale": None, "zeroed_scaled": None,
+             "zeroed": zeroed(fp32_gradients, fp16_gradients)}
     verdict = "fp16 keeps the loss and the weights' gradients finite"
     if not fp32_finite:
         # The model itself, not its copy, whose BatchNorm statistics took what the passes met.
@@ -893,7 +898,8 @@ def check_fp16(model, batch, criterion, device):
                    f" {found['overflow']}: keep that in fp32 (README), or train in bf16")
     else:
         found["scale"] = check.settling_power(loss)
-        found["zeroed_scaled"] = zeroed(fp32, check.gradients(loss, 2.0 ** found["scale"]))
+        scaled = check.gradients(loss, 2.0 ** found["scale"])
+        found["zeroed_scaled"] = zeroed(fp32_gradients, scaled)
     return {**found, "verdict": verdict, "seconds": time.perf_counter() - start}
 
 
@@ -906,7 +912,7 @@ def median_seconds(run, seconds, most, label, log):
     each, rounds, calls = run(1), 1, 1
     if each <= seconds / TIMED_ROUNDS:
         each = run(2)
-        rounds, calls = TIMED_ROUNDS, int(min(most, seconds / TIMED_ROUNDS / each))
+        rounds, calls = TIMED_ROUNDS, max(1, int(min(most, seconds / TIMED_ROUNDS / each)))
     log(f"  {label}: one took {cell(each, 'seconds')}, so {rounds} rounds of {calls} are timed")
     return statistics.median_high(map(run, [calls] * rounds))
 
@@ -1065,7 +1071,7 @@ def amp_report(measured):
     """measure_amp's result as lines. fp32 and AMP stand side by side, with their ratio. What
     fp16 does follows. The last line is a verdict to paste into a bug report."""
     name = measured["precision"]
-    fp32, amp, fp16 = measured["fp32"], measured[name], measured["fp16_check"]
+    fp32, amp, checked = measured["fp32"], measured[name], measured["fp16_check"]
     lines, ratios = [f"{'':<22}{'fp32':>16}{name:>16}{name + '/fp32':>12}"], {}
     for key in filter(fp32.__contains__, ROWS):
         # A figure that is 0 in fp32, such as the convolutions' FLOPs of a model with none, has
@@ -1100,26 +1106,26 @@ def amp_report(measured):
         f"{torch.__version__}: {name} steps take {step:.2f}x fp32's time, where a step at the "
         f"device's measured rates would take {ratios['rated_seconds']:.2f}x; they reach "
         f"{share:.2%} of those rates, so {bound}; {ratios['saved_bytes']:.2f}x the memory saved "
-        f"for backward; AMP is {speed} here; {fp16['verdict']}"]
+        f"for backward; AMP is {speed} here; {checked['verdict']}"]
 
 
 def fp16_lines(measured):
     """amp_report's lines on what check_fp16 found, in measure_amp's result `measured`."""
-    fp16, seconds = measured["fp16_check"], measured["fp16_check"]["seconds"]
+    checked, seconds = measured["fp16_check"], measured["fp16_check"]["seconds"]
     lines = [f"fp16 as autocast runs it here, checked on this batch in {seconds:.2f} s, as long "
              f"as {seconds / measured['fp32']['median_step_seconds']:.1f} fp32 steps:"]
     # The check runs the model eagerly. A compiled model fuses ops, and may keep values in fp32
     # between them, so its overflows may differ (pytorch issue 183607).
     if measured["compile"]:
         lines.append("  the check ran the model eagerly, and compiled ops may overflow elsewhere")
-    if fp16["scale"] is None:
+    if checked["scale"] is None:
         lines.append("  the loss or a weight's gradient is inf or NaN, so the GradScaler skips "
                      "every step")
     else:
-        lines += [f"  the GradScaler's scale goes from 2**16 to 2**{fp16['scale']}, the largest "
+        lines += [f"  the GradScaler's scale goes from 2**16 to 2**{checked['scale']}, the largest "
                   "power of 2 that keeps the weights' gradients finite",
-                  f"  fp16 makes {fp16['zeroed']:.2%} of the weights' nonzero gradient values "
-                  f"zero, and {fp16['zeroed_scaled']:.2%} at 2**{fp16['scale']}"]
+                  f"  fp16 makes {checked['zeroed']:.2%} of the weights' nonzero gradient values "
+                  f"zero, and {checked['zeroed_scaled']:.2%} at 2**{checked['scale']}"]
     return lines + ["  bf16 has fp32's range, so none of this applies to bf16"]
 
 
@@ -1194,16 +1200,20 @@ class RunFolder:
             raise UsageError(f"--run-dir {path} is a file, not a folder: name a folder")
         if resume and not os.path.exists(self.checkpoint):
             raise UsageError(f"nothing to resume in {path}: run without --resume")
-        os.makedirs(path, exist_ok=True)
         # filelock comes with torch. Its lock is the system's, on Linux, macOS and Windows, and
         # timeout=0 tries it once.
         self.lock = filelock.FileLock(os.path.join(path, ".lock"), timeout=0)
         # A folder that cannot be used is let go at once: on_error releases the lock.
         with contextlib.ExitStack() as on_error:
             try:
+                os.makedirs(path, exist_ok=True)
                 on_error.enter_context(self.lock)
             except filelock.Timeout:
                 raise UsageError(f"another run is using {path}: wait, or use another --run-dir")
+            # A folder that cannot be made or written to, say.
+            except OSError as e:
+                raise UsageError(f"cannot use --run-dir {path} ({e.strerror}): name a folder "
+                                 "you can write to")
             # The checkpoint this run goes on from, if there is one and it may.
             if os.path.exists(self.checkpoint):
                 # weights_only unpickles tensors and plain containers, never code.

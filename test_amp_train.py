@@ -1568,17 +1568,17 @@ def test_a_torchrun_restart_after_kill_9_goes_on_from_its_launchs_checkpoint(lau
 # ---------- errors, and the command line
 
 @pytest.mark.parametrize("argv", [
-    ["--example", "nope"], ["--epochs", "0"], ["--max-steps", "-1"],
+    ["--example", "nope"], ["--epochs", "0"], ["--max-steps", "-1"], ["--clip-grad-norm", "-1"],
     ["--lr", "0", "argument --lr: must be a finite number more than 0, not 0"], ["--lr", "nan"],
-    ["--lr", "inf", "must be a finite number more than 0, not inf"],
-    ["--clip-grad-norm", "-1"], ["--accum-steps", "1" + "0" * 30],
-    ["--seed", "4294967296", "must be from 0 to 2**32 - 1"], ["--device", "cpu", "--resume"],
+    ["--lr", "inf", "must be a finite number more than 0, not inf"], ["--resume"],
+    ["--accum-steps", "1" + "0" * 30], ["--seed", "4294967296", "must be from 0 to 2**32 - 1"],
     ["--example", "memory", "--precision", "fp32", "compares fp32 with AMP: use --precision bf16"],
     ["--example", "memory", "--model", "fcn_resnet50", "is not a model the memory example knows: "
      "use linear, resnet18, resnet18-imagenet, or a torchvision classification model"],
     RESNET + ["--batch-size", "10001", "more than each process's 10000 training images"],
     LINEAR + ["--run-dir", str(HERE / "no-run"), "--resume", f"nothing to resume in {HERE}"],
-    LINEAR + ["--run-dir", str(HERE / "README.md"), "README.md is a file, not a folder"]])
+    LINEAR + ["--run-dir", str(HERE / "README.md"), "README.md is a file, not a folder"],
+    LINEAR + ["--run-dir", str(HERE / "README.md" / "run"), "cannot use --run-dir"]])
 def test_a_bad_flag_ends_in_one_line_before_any_training(argv, capsys):
     says = ""
     if " " in argv[-1]:
